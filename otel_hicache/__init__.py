@@ -1,0 +1,78 @@
+"""otel_hicache: OpenTelemetry traces and metrics for the tiered KV cache of LLM servers.
+
+SGLang's HiCache and engines like it keep KV cache in tiers: GPU memory (L1, ``device``), host DRAM (L2,
+``host``) and storage (L3). otel_hicache turns every merged transfer between them into one OTel span and into
+counters and histograms (backup / load-back / dropped tokens and bytes per pool, per-tier prefix hits, copy
+durations measured on the device), exported over OTLP.
+
+Data flow: producer -> record -> :class:`HiCacheTelemetry` -> OTel SDK -> exporter.
+
+Report from your own engine (runs as is; with no ``OTEL_EXPORTER_OTLP_ENDPOINT`` the data stays in-process)::
+
+    >>> from otel_hicache import configure, TransferRecord, TransferOperation, now_ns
+    >>> setup = configure()                      # OTLP if OTEL_EXPORTER_OTLP_ENDPOINT is set, else embedded
+    >>> t0 = now_ns()
+    >>> setup.telemetry.record_transfer(TransferRecord(
+    ...     operation=TransferOperation.BACKUP, tokens_by_pool={"kv": 256}, num_bytes=256 * 4096,
+    ...     submit_time_ns=t0, complete_time_ns=t0 + 2_000_000, copy_duration_s=0.0015,
+    ...     timing_source="host_clock", merged_ops=3, node_count=3))
+    >>> setup.telemetry.snapshot()["hicache.transfer.tokens"][("backup", "kv")]
+    256
+    >>> setup.shutdown()
+
+Time a copy the way SGLang does, on the device where CUDA is present, without synchronising::
+
+    >>> from otel_hicache import make_timing_event_pair, elapsed_seconds
+    >>> start, finish, source = make_timing_event_pair("cpu")
+    >>> start.record(); finish.record()          # around the copy loop, on the transfer stream
+    >>> elapsed_seconds(start, finish) >= 0.0
+    True
+
+Instrument SGLang with no code change: ``opentelemetry-instrument python -m sglang.launch_server
+--enable-hierarchical-cache ...`` (see :mod:`otel_hicache.integrations.sglang`).
+
+Modules: :mod:`~otel_hicache.semconv` (every name), :mod:`~otel_hicache.timing`, :mod:`~otel_hicache.records`,
+:mod:`~otel_hicache.telemetry`, :mod:`~otel_hicache.sdk`.
+"""
+
+from otel_hicache.records import (
+    DropRecord,
+    EvictionRecord,
+    PoolUsage,
+    PrefixSplit,
+    TransferFailure,
+    TransferRecord,
+    prefix_split,
+    split_cached_prefix_by_tier,
+)
+from otel_hicache.semconv import DropReason, PrefillMode, Tier, TimingSource, TransferOperation
+from otel_hicache.timing import elapsed_seconds, make_timing_event_pair, now_ns
+
+__version__ = "0.1.0"
+
+from otel_hicache.sdk import ConfigError, TelemetrySetup, configure
+from otel_hicache.telemetry import HiCacheTelemetry
+
+__all__ = [
+    "ConfigError",
+    "DropReason",
+    "DropRecord",
+    "EvictionRecord",
+    "HiCacheTelemetry",
+    "PoolUsage",
+    "PrefillMode",
+    "PrefixSplit",
+    "TelemetrySetup",
+    "Tier",
+    "TimingSource",
+    "TransferFailure",
+    "TransferOperation",
+    "TransferRecord",
+    "__version__",
+    "configure",
+    "elapsed_seconds",
+    "make_timing_event_pair",
+    "now_ns",
+    "prefix_split",
+    "split_cached_prefix_by_tier",
+]

@@ -1,0 +1,141 @@
+"""Immutable records: what a producer hands to :class:`~otel_hicache.telemetry.HiCacheTelemetry`.
+
+A record is a snapshot taken when the producer already knows the facts (an ack is complete, a drop happened), so
+spans and metrics are derived from the record alone, never from live cache state. Records are ``NamedTuple`` s:
+cheap to build on the scheduler thread. The mappings they hold are owned by the record: do not mutate them after
+handing the record over.
+
+All times are epoch nanoseconds on :data:`otel_hicache.timing.ANCHOR` (use :func:`otel_hicache.timing.now_ns`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from opentelemetry.trace import SpanContext
+
+from otel_hicache.semconv import DropReason, PrefillMode, Tier, TimingSource, TransferOperation
+
+
+class TransferRecord(NamedTuple):
+    """One completed merged transfer (one ``HiCacheAck`` in SGLang).
+
+    ``submit_time_ns`` is when the merged op was issued to the copy stream, ``complete_time_ns`` when its
+    completion was observed (the ack polled complete); the span covers that interval. ``copy_duration_s`` is the
+    copy time measured around the copy loop (device events or host clock), or ``None`` when timing is unavailable:
+    then no duration is recorded rather than a wrong one.
+    """
+
+    operation: TransferOperation
+    tokens_by_pool: Mapping[str, int]  # logical tokens; sidecars reusing another pool's indices excluded
+    num_bytes: int  # all bytes moved, sidecars and draft piggyback included
+    submit_time_ns: int
+    complete_time_ns: int
+    copy_duration_s: float | None = None
+    timing_source: TimingSource = TimingSource.NONE
+    merged_ops: int = 1
+    node_count: int = 0
+    bytes_by_pool: Mapping[str, int] | None = None  # per-pool split when the producer knows it
+    write_policy: str | None = None
+    io_backend: str | None = None
+    links: tuple[SpanContext, ...] = ()  # request spans this transfer served
+
+
+class TransferFailure(NamedTuple):
+    """A transfer that could not be issued or did not complete (pool full, storage write failed, ...)."""
+
+    operation: TransferOperation
+    error_type: str  # one of semconv.TRANSFER_ERRORS, else reported as _OTHER
+    tokens_by_pool: Mapping[str, int]
+    time_ns: int
+
+
+class DropRecord(NamedTuple):
+    """Device KV destroyed without a host copy."""
+
+    reason: DropReason
+    tokens_by_pool: Mapping[str, int]
+    time_ns: int
+
+
+class EvictionRecord(NamedTuple):
+    """One eviction pass on a tier: token slots freed and its wall-clock duration."""
+
+    tier: Tier
+    num_tokens: int
+    duration_s: float
+    time_ns: int
+
+
+class PrefixSplit(NamedTuple):
+    """Where the tokens of one admitted prefill came from."""
+
+    input_tokens: int  # computed (not cached)
+    device_hit: int
+    host_hit: int
+    storage_hit: int
+
+    def by_mode(self) -> dict[PrefillMode, int]:
+        return {
+            PrefillMode.INPUT: self.input_tokens,
+            PrefillMode.DEVICE_HIT: self.device_hit,
+            PrefillMode.HOST_HIT: self.host_hit,
+            PrefillMode.STORAGE_HIT: self.storage_hit,
+        }
+
+
+class PoolUsage(NamedTuple):
+    """Occupancy of one pool on one tier, in token slots (state slots for mamba)."""
+
+    tier: Tier
+    pool: str
+    used: int
+    limit: int
+
+
+def split_cached_prefix_by_tier(
+    prefix_len: int,
+    host_hit_len: int,
+    storage_hit_len: int,
+    storage_hit_start: int | None = None,
+    host_hit_is_storage: bool = False,
+) -> tuple[int, int, int]:
+    """Split a request's cached prefix into ``(device, host, storage)`` hit tokens, as SGLang 0.5.23 does.
+
+    ``host_hit_len`` is the materialized host hit (the tail of the prefix that came from host memory). Without
+    ``storage_hit_start`` the storage hit is the part of the host hit that came from L3; with it, the storage hit is
+    the span ``[storage_hit_start, storage_hit_start + storage_hit_len)`` clipped to the prefix. When
+    ``host_hit_is_storage`` (host memory used only as L3 staging), all of the host hit is a storage hit.
+    The three parts always add up to ``prefix_len``.
+    """
+    host_hit_len = min(prefix_len, host_hit_len)
+    host_start = prefix_len - host_hit_len
+    if storage_hit_start is None:
+        if host_hit_is_storage:
+            storage, host = host_hit_len, 0
+        else:
+            storage = min(host_hit_len, storage_hit_len)
+            host = host_hit_len - storage
+    else:
+        storage_end = storage_hit_start + storage_hit_len
+        storage = max(0, min(prefix_len, storage_end) - max(0, storage_hit_start))
+        storage_in_host = max(0, min(prefix_len, storage_end) - max(host_start, storage_hit_start))
+        host = 0 if host_hit_is_storage else host_hit_len - storage_in_host
+    device = prefix_len - host - storage
+    return device, host, storage
+
+
+def prefix_split(
+    input_len: int,
+    prefix_len: int,
+    host_hit_len: int,
+    storage_hit_len: int = 0,
+    storage_hit_start: int | None = None,
+    host_hit_is_storage: bool = False,
+) -> PrefixSplit:
+    """A :class:`PrefixSplit` for a request of ``input_len`` tokens whose first ``prefix_len`` were cached."""
+    device, host, storage = split_cached_prefix_by_tier(
+        prefix_len, host_hit_len, storage_hit_len, storage_hit_start, host_hit_is_storage
+    )
+    return PrefixSplit(input_len - prefix_len, device, host, storage)

@@ -1,0 +1,237 @@
+"""The otel_hicache vocabulary: every metric name, unit, attribute key, closed value set and bucket list.
+
+Nothing else in the package spells a name. Attribute values are closed sets, so the number of series is
+bounded by ``operations x pools x reasons`` whatever a producer sends: an unknown pool name is reported as
+``other`` (see :data:`POOLS`).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Final
+
+
+class _StrEnum(str, Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+# --------------------------------------------------------------------------- closed value sets
+class TransferOperation(_StrEnum):
+    """Direction of a merged transfer between tiers."""
+
+    BACKUP = "backup"  # L1 device -> L2 host (D->H)
+    LOAD_BACK = "load_back"  # L2 host -> L1 device (H->D)
+    STORAGE_BACKUP = "storage_backup"  # L2 host -> L3 storage
+    STORAGE_PREFETCH = "storage_prefetch"  # L3 storage -> L2 host
+
+
+class Tier(_StrEnum):
+    DEVICE = "device"  # L1
+    HOST = "host"  # L2
+    STORAGE = "storage"  # L3
+
+
+class DropReason(_StrEnum):
+    """Why device KV was destroyed with no host copy (SGLang's definitions)."""
+
+    HOST_PRESSURE = "host_pressure"  # write_back: the host pool could not take the backup
+    WRITE_THROUGH_UNBACKED_EVICTION = "write_through_unbacked_eviction"  # write_through: evicted before backed up
+
+
+class PrefillMode(_StrEnum):
+    """How a prefill token was obtained: computed (input) or hit in one of the tiers."""
+
+    INPUT = "input"
+    DEVICE_HIT = "device_hit"
+    HOST_HIT = "host_hit"
+    STORAGE_HIT = "storage_hit"
+
+
+class TimingSource(_StrEnum):
+    """Where a transfer's copy duration came from."""
+
+    CUDA_EVENT = "cuda_event"  # torch.cuda.Event pair on the transfer stream
+    HOST_CLOCK = "host_clock"  # monotonic host clock around a synchronous copy
+    NONE = "none"  # timing unavailable: no duration recorded
+
+
+class WritePolicy(_StrEnum):
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+
+class PoolState(_StrEnum):
+    USED = "used"
+    FREE = "free"
+
+
+#: Pool kinds, after SGLang's ``PoolName`` plus ``draft`` (speculative-decoding piggyback). Any other name a
+#: producer reports is counted as ``other``, with a one-time warning and a self-metric.
+POOLS: Final[frozenset[str]] = frozenset(
+    {
+        "kv",
+        "swa",
+        "auxiliary_swa",
+        "mamba",
+        "indexer",
+        "draft",
+        "deepseek_v4_c1",
+        "deepseek_v4_c1_indexer",
+        "deepseek_v4_c1_indexer_scale",
+        "deepseek_v4_c2",
+        "deepseek_v4_c2_indexer",
+        "deepseek_v4_c2_indexer_scale",
+    }
+)
+OTHER_POOL: Final = "other"
+DEFAULT_POOL: Final = "kv"
+
+#: ``error.type`` values for failed transfers. Anything else is reported as ``_OTHER`` (OTel convention).
+TRANSFER_ERRORS: Final[frozenset[str]] = frozenset(
+    {
+        "host_pool_full",
+        "device_pool_full",
+        "storage_write_failed",
+        "storage_read_failed",
+        "storage_queue_full",
+        "cancelled",
+    }
+)
+OTHER_ERROR: Final = "_OTHER"
+
+# --------------------------------------------------------------------------- attribute keys
+ATTR_OPERATION: Final = "hicache.operation"
+ATTR_POOL: Final = "hicache.pool"
+ATTR_TIER: Final = "hicache.tier"
+ATTR_DROP_REASON: Final = "hicache.drop.reason"
+ATTR_PREFILL_MODE: Final = "hicache.prefill.mode"
+ATTR_POOL_STATE: Final = "hicache.pool.state"
+ATTR_ERROR_TYPE: Final = "error.type"
+ATTR_TIMING_SOURCE: Final = "hicache.timing.source"
+
+# span-only attributes
+ATTR_TOKENS: Final = "hicache.transfer.tokens"  # total logical tokens; per pool: f"{ATTR_TOKENS}.{pool}"
+ATTR_BYTES: Final = "hicache.transfer.bytes"  # total bytes; per pool (when known): f"{ATTR_BYTES}.{pool}"
+ATTR_MERGED_OPS: Final = "hicache.transfer.merged_ops"
+ATTR_NODES: Final = "hicache.transfer.nodes"
+ATTR_COPY_DURATION: Final = "hicache.transfer.copy_duration"  # seconds, device-measured copy time
+ATTR_WRITE_POLICY: Final = "hicache.write_policy"
+ATTR_IO_BACKEND: Final = "hicache.io_backend"
+ATTR_PREFIX_TOKENS: Final = "hicache.prefix.tokens"  # per mode on request spans: f"{ATTR_PREFIX_TOKENS}.{mode}"
+
+# resource attributes (ranks go on the Resource, never on a metric point)
+RESOURCE_TP_RANK: Final = "hicache.rank.tp"
+RESOURCE_PP_RANK: Final = "hicache.rank.pp"
+RESOURCE_DP_RANK: Final = "hicache.rank.dp"
+
+# self-telemetry attributes
+ATTR_RECORD_KIND: Final = "otel_hicache.record.kind"
+ATTR_PROBLEM: Final = "otel_hicache.problem"
+
+# --------------------------------------------------------------------------- instruments
+METRIC_TRANSFER_TOKENS: Final = "hicache.transfer.tokens"
+METRIC_TRANSFER_SIZE: Final = "hicache.transfer.size"
+METRIC_TRANSFER_DURATION: Final = "hicache.transfer.duration"
+METRIC_TRANSFER_FAILURES: Final = "hicache.transfer.failures"
+METRIC_DROPPED_TOKENS: Final = "hicache.dropped.tokens"
+METRIC_EVICTION_TOKENS: Final = "hicache.eviction.tokens"
+METRIC_EVICTION_DURATION: Final = "hicache.eviction.duration"
+METRIC_PREFILL_TOKENS: Final = "hicache.prefill.tokens"
+METRIC_POOL_USAGE: Final = "hicache.pool.usage"
+METRIC_POOL_LIMIT: Final = "hicache.pool.limit"
+METRIC_RECORDS_REJECTED: Final = "otel_hicache.records.rejected"
+METRIC_RECORDS_NORMALIZED: Final = "otel_hicache.records.normalized"
+METRIC_RECORDS_DROPPED: Final = "otel_hicache.records.dropped"
+
+UNIT_TOKEN: Final = "{token}"
+UNIT_BYTE: Final = "By"
+UNIT_SECOND: Final = "s"
+UNIT_TRANSFER: Final = "{transfer}"
+UNIT_RECORD: Final = "{record}"
+
+#: Transfer copy durations: ~100 us (a small H->D load back) up to 60 s (a blocking write-back backup).
+TRANSFER_DURATION_BUCKETS: Final[tuple[float, ...]] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+#: Eviction passes (wall clock, includes blocking write-back copies).
+EVICTION_DURATION_BUCKETS: Final[tuple[float, ...]] = (
+    0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+class InstrumentSpec:
+    """Name, kind, unit, description and the closed attribute keys of one instrument."""
+
+    __slots__ = ("attributes", "description", "kind", "name", "unit")
+
+    def __init__(self, name: str, kind: str, unit: str, description: str, attributes: tuple[str, ...]) -> None:
+        self.name, self.kind, self.unit, self.description, self.attributes = name, kind, unit, description, attributes
+
+
+INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
+    InstrumentSpec(METRIC_TRANSFER_TOKENS, "counter", UNIT_TOKEN,
+                   "Logical tokens moved by completed merged transfers, by operation and pool. Sidecar transfers "
+                   "that reuse another pool's indices are not counted.", (ATTR_OPERATION, ATTR_POOL)),
+    InstrumentSpec(METRIC_TRANSFER_SIZE, "counter", UNIT_BYTE,
+                   "Bytes moved by completed merged transfers, sidecar and draft piggyback included. hicache.pool is "
+                   "present only where the producer reports bytes per pool (SGLang reports one total per ack).",
+                   (ATTR_OPERATION, ATTR_POOL)),
+    InstrumentSpec(METRIC_TRANSFER_DURATION, "histogram", UNIT_SECOND,
+                   "Copy time of a merged transfer, measured on the device (CUDA events) or by the host clock around "
+                   "a synchronous copy. Transfers without timing record nothing here.",
+                   (ATTR_OPERATION, ATTR_TIMING_SOURCE)),
+    InstrumentSpec(METRIC_TRANSFER_FAILURES, "counter", UNIT_TRANSFER,
+                   "Transfers that could not be issued or completed.", (ATTR_OPERATION, ATTR_ERROR_TYPE)),
+    InstrumentSpec(METRIC_DROPPED_TOKENS, "counter", UNIT_TOKEN,
+                   "Device KV tokens destroyed without a host copy.", (ATTR_DROP_REASON, ATTR_POOL)),
+    InstrumentSpec(METRIC_EVICTION_TOKENS, "counter", UNIT_TOKEN,
+                   "Token slots freed by eviction, backed up or not.", (ATTR_TIER,)),
+    InstrumentSpec(METRIC_EVICTION_DURATION, "histogram", UNIT_SECOND,
+                   "Wall-clock time of an eviction pass, blocking write-back copies included.", (ATTR_TIER,)),
+    InstrumentSpec(METRIC_PREFILL_TOKENS, "counter", UNIT_TOKEN,
+                   "Prefill tokens by how they were obtained: computed (input) or hit in a tier.",
+                   (ATTR_PREFILL_MODE,)),
+    InstrumentSpec(METRIC_POOL_USAGE, "observable_up_down_counter", UNIT_TOKEN,
+                   "Token slots of a pool in use or free, per tier.", (ATTR_TIER, ATTR_POOL, ATTR_POOL_STATE)),
+    InstrumentSpec(METRIC_POOL_LIMIT, "observable_up_down_counter", UNIT_TOKEN,
+                   "Capacity of a pool in token slots, per tier.", (ATTR_TIER, ATTR_POOL)),
+    InstrumentSpec(METRIC_RECORDS_REJECTED, "counter", UNIT_RECORD,
+                   "Records otel_hicache refused (malformed); nothing of them was counted.",
+                   (ATTR_RECORD_KIND, ATTR_PROBLEM)),
+    InstrumentSpec(METRIC_RECORDS_NORMALIZED, "counter", UNIT_RECORD,
+                   "Records counted after a correction (an unknown pool reported as other).",
+                   (ATTR_RECORD_KIND, ATTR_PROBLEM)),
+    InstrumentSpec(METRIC_RECORDS_DROPPED, "counter", UNIT_RECORD,
+                   "Records whose span and histogram point were lost because the export queue was full; their "
+                   "counters are still exact.", (ATTR_RECORD_KIND,)),
+)  # fmt: skip
+
+# --------------------------------------------------------------------------- spans
+SPAN_NAMES: Final[dict[TransferOperation, str]] = {op: f"hicache.{op.value}" for op in TransferOperation}
+INSTRUMENTATION_SCOPE: Final = "otel_hicache"
+
+# --------------------------------------------------------------------------- SGLang mapping
+#: Every ``sglang:*`` HiCache series and the otel_hicache series that carries the same quantity. Prometheus names
+#: are what the Collector's ``prometheus`` exporter produces from our OTel names.
+SGLANG_SERIES: Final[tuple[tuple[str, str], ...]] = (
+    ("sglang:hicache_backup_tokens_total{pool}",
+     'hicache_transfer_tokens_total{hicache_operation="backup",hicache_pool}'),
+    ("sglang:hicache_backup_bytes_total", 'hicache_transfer_size_bytes_total{hicache_operation="backup"}'),
+    ("sglang:hicache_backup_duration_seconds", 'hicache_transfer_duration_seconds{hicache_operation="backup"}'),
+    ("sglang:load_back_tokens_total{pool}",
+     'hicache_transfer_tokens_total{hicache_operation="load_back",hicache_pool}'),
+    ("sglang:load_back_bytes_total", 'hicache_transfer_size_bytes_total{hicache_operation="load_back"}'),
+    ("sglang:load_back_duration_seconds", 'hicache_transfer_duration_seconds{hicache_operation="load_back"}'),
+    ("sglang:hicache_dropped_tokens_total{reason,pool}",
+     "hicache_dropped_tokens_total{hicache_drop_reason,hicache_pool}"),
+    ("sglang:evicted_tokens_total", 'hicache_eviction_tokens_total{hicache_tier="device"}'),
+    ("sglang:eviction_duration_seconds", 'hicache_eviction_duration_seconds{hicache_tier="device"}'),
+    ("sglang:prefill_effective_tokens_total{mode}", "hicache_prefill_tokens_total{hicache_prefill_mode}"),
+    ("sglang:hicache_host_used_tokens", 'hicache_pool_usage{hicache_tier="host",hicache_pool_state="used"}'),
+    ("sglang:hicache_host_total_tokens", 'hicache_pool_limit{hicache_tier="host"}'),
+    ("sglang:prefetched_tokens_total",
+     'hicache_transfer_tokens_total{hicache_operation="storage_prefetch"}'),
+    ("sglang:backuped_tokens_total", 'hicache_transfer_tokens_total{hicache_operation="storage_backup"}'),
+)  # fmt: skip
