@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import os
 import socket
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -280,7 +281,7 @@ def configure(
     if metrics_kind == "otlp":
         readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(protocol_metrics, endpoint)))
     elif metrics_kind == "console":
-        readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
+        readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stdout)))
     elif metrics_kind == "embedded":
         memory_reader = InMemoryMetricReader()
         readers.append(memory_reader)
@@ -297,7 +298,9 @@ def configure(
         span_exporter = _otlp_span_exporter(protocol_traces, endpoint, meter_provider)
         tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter, meter_provider=meter_provider))
     elif traces_kind == "console":
-        tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter(), meter_provider=meter_provider))
+        tracer_provider.add_span_processor(
+            BatchSpanProcessor(ConsoleSpanExporter(out=sys.stdout), meter_provider=meter_provider)
+        )
     elif traces_kind == "embedded":
         recent = RecentSpans()
         tracer_provider.add_span_processor(SimpleSpanProcessor(recent))
@@ -319,13 +322,9 @@ def _prometheus_reader(host: str, port: int) -> tuple[tuple[str, int], MetricRea
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import CollectorRegistry, start_http_server
 
-    registry = CollectorRegistry(auto_describe=True)
-    reader = PrometheusMetricReader()
-    # The reader registers its collector with the global registry; move it to ours so servers do not mix.
-    from prometheus_client import REGISTRY
-
-    REGISTRY.unregister(reader._collector)
-    registry.register(reader._collector)
+    # A registry of our own, so servers do not mix; the reader (un)registers itself there.
+    registry = CollectorRegistry()
+    reader = PrometheusMetricReader(registry=registry)
     try:
         server, thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:

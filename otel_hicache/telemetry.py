@@ -358,7 +358,7 @@ class HiCacheTelemetry:
     def _pool_name(self, pool: Any, kind: str) -> str:
         if pool in sc.POOLS:
             return str(pool)
-        key = ("unknown_pool", kind)
+        key = (kind, "unknown_pool")
         with self._lock:
             self._normalized.values[key] = self._normalized.values.get(key, 0) + 1
         self._warn_once(kind, "unknown_pool", f"pool {str(pool)[:64]!r} is not a known pool; counted as 'other'")

@@ -1,0 +1,150 @@
+"""configure(): the standard OTEL_* environment, Views, the embedded default, clear errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation
+
+from otel_hicache import semconv as sc
+from otel_hicache.records import TransferRecord
+from otel_hicache.sdk import ConfigError, build_resource, configure, views
+from otel_hicache.semconv import TransferOperation
+
+
+def record(tokens: int = 8) -> TransferRecord:
+    return TransferRecord(TransferOperation.BACKUP, {"kv": tokens}, tokens * 64, 10, 20, 0.001, "host_clock")
+
+
+def test_no_endpoint_means_the_embedded_default_keeps_data_in_process() -> None:
+    setup = configure(env={})
+    try:
+        assert setup.mode == "embedded"
+        setup.telemetry.record_transfer(record())
+        setup.force_flush()
+        assert [s.name for s in setup.recent_spans.spans()] == ["hicache.backup"]
+        assert isinstance(setup.metric_reader, InMemoryMetricReader)
+        names = {
+            m.name
+            for rm in setup.metric_reader.get_metrics_data().resource_metrics
+            for sm in rm.scope_metrics
+            for m in sm.metrics
+        }
+        assert {sc.METRIC_TRANSFER_TOKENS, sc.METRIC_TRANSFER_DURATION} <= names
+    finally:
+        setup.shutdown()
+
+
+def test_embedded_span_store_is_bounded_but_counts_everything() -> None:
+    setup = configure(env={})
+    for _ in range(3000):
+        setup.telemetry.record_transfer(record())
+    setup.force_flush()
+    assert len(setup.recent_spans.spans()) == 2048
+    assert setup.recent_spans.total == 3000
+    setup.shutdown()
+
+
+def test_resource_takes_env_service_name_attributes_ranks_and_host() -> None:
+    resource = build_resource(ranks={"tp": 1, "pp": 0, "dp": 2})
+    assert resource.attributes["service.name"] == "otel-hicache"
+    assert resource.attributes[sc.RESOURCE_TP_RANK] == 1
+    assert resource.attributes[sc.RESOURCE_DP_RANK] == 2
+    assert resource.attributes["host.name"]
+
+
+def test_otel_service_name_and_resource_attributes_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "sglang-node-7")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod,hicache.rank.tp=3")
+    resource = build_resource(ranks={"tp": 0})
+    assert resource.attributes["service.name"] == "sglang-node-7"
+    assert resource.attributes["deployment.environment"] == "prod"
+    assert resource.attributes[sc.RESOURCE_TP_RANK] == "3"
+
+
+def test_unknown_rank_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown rank 'ep'"):
+        build_resource(ranks={"ep": 1})
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported"),
+        ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "carrier-pigeon"}, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"),
+        ({"OTEL_TRACES_SAMPLER": "sometimes"}, "OTEL_TRACES_SAMPLER='sometimes'"),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "OTEL_TRACES_SAMPLER_ARG='2' is out"),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "half"}, "is not a number"),
+        ({"OTEL_METRIC_EXPORT_INTERVAL": "soon"}, "OTEL_METRIC_EXPORT_INTERVAL='soon' is not a number"),
+        ({"OTEL_EXPORTER_OTLP_INSECURE": "maybe"}, "OTEL_EXPORTER_OTLP_INSECURE"),
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin' is not supported"),
+        ({"OTEL_METRICS_EXPORTER": "statsd"}, "OTEL_METRICS_EXPORTER"),
+        ({"OTEL_EXPORTER_PROMETHEUS_PORT": "99999"}, "OTEL_EXPORTER_PROMETHEUS_PORT"),
+    ],
+)
+def test_bad_environment_values_fail_clearly_naming_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):
+        configure(env=env)
+
+
+def test_bad_arguments_fail_clearly() -> None:
+    with pytest.raises(ConfigError, match="protocol 'udp'"):
+        configure(env={}, protocol="udp")
+    with pytest.raises(ConfigError, match="cardinality_limit"):
+        configure(env={}, cardinality_limit=0)
+
+
+def test_sdk_disabled_gives_no_op_providers_that_still_accept_records() -> None:
+    setup = configure(env={"OTEL_SDK_DISABLED": "true"})
+    assert setup.mode == "disabled"
+    setup.telemetry.record_transfer(record())
+    assert setup.telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")] == 8
+    setup.shutdown()
+
+
+def test_views_fix_buckets_attribute_keys_and_a_series_cap() -> None:
+    by_name = {v._instrument_name: v for v in views(cardinality_limit=7)}
+    assert set(by_name) == {spec.name for spec in sc.INSTRUMENTS}
+    for spec in sc.INSTRUMENTS:
+        view = by_name[spec.name]
+        assert view._attribute_keys == set(spec.attributes)
+        assert view._aggregation_cardinality_limit == 7
+    duration = by_name[sc.METRIC_TRANSFER_DURATION]._aggregation
+    assert isinstance(duration, ExplicitBucketHistogramAggregation)
+    assert tuple(duration._boundaries) == sc.TRANSFER_DURATION_BUCKETS
+
+
+def test_console_exporters_are_selectable(capsys: pytest.CaptureFixture[str]) -> None:
+    setup = configure(env={"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "none"})
+    setup.telemetry.record_transfer(record())
+    setup.shutdown()
+    assert '"name": "hicache.backup"' in capsys.readouterr().out
+
+
+def test_prometheus_port_serves_the_vocabulary_under_prometheus_names() -> None:
+    import re
+    import urllib.request
+
+    setup = configure(env={}, prometheus_port=0)
+    try:
+        setup.telemetry.record_transfer(record(5))
+        setup.force_flush()
+        host, port = setup.prometheus_address
+        body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
+        tokens = re.search(r'^hicache_transfer_tokens_total\{hicache_operation="backup",hicache_pool="kv",.*\} (\S+)$',
+                           body, re.M)  # fmt: skip
+        assert tokens is not None and float(tokens.group(1)) == 5.0
+        assert "hicache_transfer_size_bytes_total" in body
+        assert "hicache_transfer_duration_seconds_bucket" in body
+        assert "hicache_prefill_tokens_total" in body
+    finally:
+        setup.shutdown()
+
+
+def test_prometheus_port_in_use_is_a_config_error() -> None:
+    first = configure(env={}, prometheus_port=0)
+    try:
+        with pytest.raises(ConfigError, match="cannot serve Prometheus metrics"):
+            configure(env={}, prometheus_port=first.prometheus_address[1])
+    finally:
+        first.shutdown()

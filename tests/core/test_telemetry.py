@@ -1,0 +1,365 @@
+"""HiCacheTelemetry: every record becomes exact metric points and, for transfers, exactly one span."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.metrics.export import Histogram, Sum
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.trace import SpanContext, TraceFlags
+
+from otel_hicache import semconv as sc
+from otel_hicache.records import (
+    DropRecord,
+    EvictionRecord,
+    PoolUsage,
+    PrefixSplit,
+    TransferFailure,
+    TransferRecord,
+)
+from otel_hicache.semconv import DropReason, PrefillMode, Tier, TimingSource, TransferOperation
+from tests.conftest import Sdk, make_sdk
+
+T0 = 1_700_000_000_000_000_000
+
+
+def backup(tokens: dict[str, int] | None = None, num_bytes: int = 4096, **kw: object) -> TransferRecord:
+    fields: dict[str, object] = {
+        "operation": TransferOperation.BACKUP,
+        "tokens_by_pool": tokens if tokens is not None else {"kv": 16},
+        "num_bytes": num_bytes,
+        "submit_time_ns": T0,
+        "complete_time_ns": T0 + 3_000_000,
+        "copy_duration_s": 0.002,
+        "timing_source": TimingSource.CUDA_EVENT,
+        "merged_ops": 4,
+        "node_count": 3,
+    }
+    fields.update(kw)
+    return TransferRecord(**fields)  # type: ignore[arg-type]
+
+
+def op_pool(op: str, pool: str) -> dict[str, str]:
+    return {sc.ATTR_OPERATION: op, sc.ATTR_POOL: pool}
+
+
+class TestMetricPoints:
+    def test_every_instrument_has_its_name_unit_and_kind(self, sdk: Sdk) -> None:
+        sdk.telemetry.record_transfer(backup())
+        sdk.telemetry.record_eviction(EvictionRecord(Tier.DEVICE, 8, 0.01, T0))
+        sdk.telemetry.record_failure(TransferFailure(TransferOperation.LOAD_BACK, "device_pool_full", {"kv": 4}, T0))
+        sdk.telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.HOST, "kv", 10, 100)])
+        sdk.telemetry.record_transfer(backup(tokens={"bogus": 1}))  # normalized
+        sdk.telemetry.record_transfer(backup(num_bytes=-1))  # rejected
+        metrics = sdk.metrics()
+        expected_kind = {
+            "counter": Sum,
+            "histogram": Histogram,
+            "observable_up_down_counter": Sum,
+        }
+        for spec in sc.INSTRUMENTS:
+            if spec.name == sc.METRIC_RECORDS_DROPPED:
+                continue  # only appears once a record was dropped: see TestQueue
+            metric = metrics[spec.name]
+            assert metric.unit == spec.unit, spec.name
+            assert metric.description == spec.description
+            assert isinstance(metric.data, expected_kind[spec.kind]), spec.name
+            if isinstance(metric.data, Sum):
+                assert metric.data.is_monotonic == (spec.kind == "counter"), spec.name
+            for point in metric.data.data_points:
+                assert set(point.attributes) <= set(spec.attributes), (spec.name, point.attributes)
+
+    def test_known_series_are_pre_seeded_at_zero(self, sdk: Sdk) -> None:
+        for op in TransferOperation:
+            assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool(op.value, "kv")) == 0
+            assert sdk.value(sc.METRIC_TRANSFER_SIZE, op_pool(op.value, "kv")) == 0
+        for reason in DropReason:
+            assert sdk.value(sc.METRIC_DROPPED_TOKENS, {sc.ATTR_DROP_REASON: reason.value, sc.ATTR_POOL: "kv"}) == 0
+        for mode in PrefillMode:
+            assert sdk.value(sc.METRIC_PREFILL_TOKENS, {sc.ATTR_PREFILL_MODE: mode.value}) == 0
+        for tier in (Tier.DEVICE, Tier.HOST):
+            assert sdk.value(sc.METRIC_EVICTION_TOKENS, {sc.ATTR_TIER: tier.value}) == 0
+
+    def test_transfer_tokens_and_bytes_add_up_per_operation_and_pool(self, sdk: Sdk) -> None:
+        tel = sdk.telemetry
+        tel.record_transfer(backup({"kv": 16, "mamba": 2}, 5000, bytes_by_pool={"kv": 4000, "mamba": 1000}))
+        tel.record_transfer(backup({"kv": 8}, 2000, bytes_by_pool={"kv": 2000}))
+        tel.record_transfer(backup({"kv": 4}, 700, operation=TransferOperation.LOAD_BACK))  # total bytes only
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 24
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "mamba")) == 2
+        assert sdk.value(sc.METRIC_TRANSFER_SIZE, op_pool("backup", "kv")) == 6000
+        assert sdk.value(sc.METRIC_TRANSFER_SIZE, op_pool("backup", "mamba")) == 1000
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("load_back", "kv")) == 4
+        # a producer that knows only the total (SGLang's ack) gets a point without hicache.pool
+        assert sdk.value(sc.METRIC_TRANSFER_SIZE, {sc.ATTR_OPERATION: "load_back"}) == 700
+
+    def test_durations_land_in_the_explicit_buckets_by_operation_and_timing_source(self, sdk: Sdk) -> None:
+        for seconds in (0.00005, 0.002, 0.002, 45.0):
+            sdk.telemetry.record_transfer(backup(copy_duration_s=seconds))
+        sdk.telemetry.record_transfer(backup(copy_duration_s=None, timing_source=TimingSource.NONE))
+        point = sdk.points(sc.METRIC_TRANSFER_DURATION)[
+            frozenset({sc.ATTR_OPERATION: "backup", sc.ATTR_TIMING_SOURCE: "cuda_event"}.items())
+        ]
+        assert tuple(point.explicit_bounds) == sc.TRANSFER_DURATION_BUCKETS
+        assert point.count == 4  # the untimed transfer recorded no duration
+        assert point.sum == pytest.approx(45.00405)
+        counts = dict(zip((*point.explicit_bounds, float("inf")), point.bucket_counts, strict=True))
+        assert counts[0.0001] == 1 and counts[0.0025] == 2 and counts[60.0] == 1
+        assert len(sdk.points(sc.METRIC_TRANSFER_DURATION)) == 1
+
+    def test_drops_prefill_evictions_failures_and_pool_usage(self, sdk: Sdk) -> None:
+        tel = sdk.telemetry
+        tel.record_drop(DropRecord(DropReason.HOST_PRESSURE, {"kv": 32}, T0))
+        tel.record_drop(DropRecord(DropReason.WRITE_THROUGH_UNBACKED_EVICTION, {"kv": 5}, T0))
+        tel.record_drop(DropRecord(DropReason.HOST_PRESSURE, {"kv": 1}, T0))
+        tel.record_prefix_split(PrefixSplit(input_tokens=100, device_hit=50, host_hit=30, storage_hit=20))
+        tel.record_prefix_split(PrefixSplit(10, 0, 0, 5))
+        tel.record_eviction(EvictionRecord(Tier.DEVICE, 64, 0.004, T0))
+        tel.record_eviction(EvictionRecord(Tier.HOST, 16, 0.0002, T0))
+        tel.record_failure(TransferFailure(TransferOperation.BACKUP, "host_pool_full", {"kv": 8}, T0))
+        tel.record_failure(TransferFailure(TransferOperation.BACKUP, "cosmic ray", {"kv": 8}, T0))
+        tel.add_pool_usage_source(lambda: [PoolUsage(Tier.HOST, "kv", 300, 1000), PoolUsage(Tier.DEVICE, "kv", 5, 10)])
+
+        drop = {sc.ATTR_POOL: "kv"}
+        assert sdk.value(sc.METRIC_DROPPED_TOKENS, {**drop, sc.ATTR_DROP_REASON: "host_pressure"}) == 33
+        assert (
+            sdk.value(sc.METRIC_DROPPED_TOKENS, {**drop, sc.ATTR_DROP_REASON: "write_through_unbacked_eviction"}) == 5
+        )
+        modes = {m.value: sdk.value(sc.METRIC_PREFILL_TOKENS, {sc.ATTR_PREFILL_MODE: m.value}) for m in PrefillMode}
+        assert modes == {"input": 110, "device_hit": 50, "host_hit": 30, "storage_hit": 25}
+        assert sdk.value(sc.METRIC_EVICTION_TOKENS, {sc.ATTR_TIER: "device"}) == 64
+        assert sdk.value(sc.METRIC_EVICTION_TOKENS, {sc.ATTR_TIER: "host"}) == 16
+        evict = sdk.points(sc.METRIC_EVICTION_DURATION)[frozenset({sc.ATTR_TIER: "device"}.items())]
+        assert evict.count == 1 and evict.sum == pytest.approx(0.004)
+        assert tuple(evict.explicit_bounds) == sc.EVICTION_DURATION_BUCKETS
+        fail = {sc.ATTR_OPERATION: "backup"}
+        assert sdk.value(sc.METRIC_TRANSFER_FAILURES, {**fail, sc.ATTR_ERROR_TYPE: "host_pool_full"}) == 1
+        assert sdk.value(sc.METRIC_TRANSFER_FAILURES, {**fail, sc.ATTR_ERROR_TYPE: "_OTHER"}) == 1  # closed set
+        host = {sc.ATTR_TIER: "host", sc.ATTR_POOL: "kv"}
+        assert sdk.value(sc.METRIC_POOL_USAGE, {**host, sc.ATTR_POOL_STATE: "used"}) == 300
+        assert sdk.value(sc.METRIC_POOL_USAGE, {**host, sc.ATTR_POOL_STATE: "free"}) == 700
+        assert sdk.value(sc.METRIC_POOL_LIMIT, host) == 1000
+        assert sdk.value(sc.METRIC_POOL_LIMIT, {sc.ATTR_TIER: "device", sc.ATTR_POOL: "kv"}) == 10
+
+    def test_snapshot_agrees_with_the_exported_counters(self, sdk: Sdk) -> None:
+        sdk.telemetry.record_transfer(backup({"kv": 7, "swa": 3}))
+        snap = sdk.telemetry.snapshot()
+        assert snap[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")] == 7
+        assert snap[sc.METRIC_TRANSFER_TOKENS][("backup", "swa")] == 3
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "swa")) == 3
+
+
+class TestSpans:
+    def test_one_span_per_merged_transfer_with_per_pool_attributes_and_explicit_times(self, sdk: Sdk) -> None:
+        sdk.telemetry.record_transfer(
+            backup({"kv": 16, "swa": 4}, 5000, bytes_by_pool={"kv": 4096, "swa": 904}, write_policy="write_back",
+                   io_backend="kernel")
+        )  # fmt: skip
+        (span,) = sdk.finished_spans()
+        assert span.name == "hicache.backup"
+        assert span.kind == trace.SpanKind.INTERNAL
+        assert span.start_time == T0 and span.end_time == T0 + 3_000_000
+        assert span.parent is None
+        assert dict(span.attributes) == {
+            "hicache.operation": "backup",
+            "hicache.transfer.tokens": 20,
+            "hicache.transfer.tokens.kv": 16,
+            "hicache.transfer.tokens.swa": 4,
+            "hicache.transfer.bytes": 5000,
+            "hicache.transfer.bytes.kv": 4096,
+            "hicache.transfer.bytes.swa": 904,
+            "hicache.transfer.merged_ops": 4,
+            "hicache.transfer.nodes": 3,
+            "hicache.transfer.copy_duration": 0.002,
+            "hicache.timing.source": "cuda_event",
+            "hicache.write_policy": "write_back",
+            "hicache.io_backend": "kernel",
+        }
+        assert span.instrumentation_scope.name == sc.INSTRUMENTATION_SCOPE
+
+    @pytest.mark.parametrize("op", list(TransferOperation))
+    def test_span_name_follows_the_operation(self, sdk: Sdk, op: TransferOperation) -> None:
+        sdk.telemetry.record_transfer(backup(operation=op))
+        assert [s.name for s in sdk.finished_spans()] == [f"hicache.{op.value}"]
+
+    def test_untimed_transfer_has_no_copy_duration_and_says_so(self, sdk: Sdk) -> None:
+        sdk.telemetry.record_transfer(backup(copy_duration_s=None, timing_source=TimingSource.CUDA_EVENT))
+        (span,) = sdk.finished_spans()
+        assert "hicache.transfer.copy_duration" not in span.attributes
+        assert span.attributes["hicache.timing.source"] == "none"
+
+    def test_transfer_links_to_the_request_spans_it_served(self, sdk: Sdk) -> None:
+        tracer = sdk.tracer_provider.get_tracer("server")
+        with tracer.start_as_current_span("request-a") as a, tracer.start_as_current_span("request-b") as b:
+            contexts = (a.get_span_context(), b.get_span_context())
+        sdk.telemetry.record_transfer(backup(links=contexts))
+        transfer = next(s for s in sdk.finished_spans() if s.name == "hicache.backup")
+        assert [link.context for link in transfer.links] == list(contexts)
+
+    def test_request_span_carries_the_prefix_split(self, sdk: Sdk) -> None:
+        tracer = sdk.tracer_provider.get_tracer("server")
+        with tracer.start_as_current_span("request") as span:
+            sdk.telemetry.record_prefix_split(PrefixSplit(12, 30, 20, 10), request_span=span)
+        (request,) = sdk.finished_spans()
+        assert {k: v for k, v in request.attributes.items() if k.startswith("hicache.")} == {
+            "hicache.prefix.tokens.input": 12,
+            "hicache.prefix.tokens.device_hit": 30,
+            "hicache.prefix.tokens.host_hit": 20,
+            "hicache.prefix.tokens.storage_hit": 10,
+        }
+
+    def test_duration_exemplar_points_at_the_transfer_trace(self, sdk: Sdk) -> None:
+        sdk.telemetry.record_transfer(backup())
+        (span,) = sdk.finished_spans()
+        (point,) = sdk.points(sc.METRIC_TRANSFER_DURATION).values()
+        assert [e.trace_id for e in point.exemplars] == [span.context.trace_id]
+
+    def test_metrics_stay_exact_when_the_sampler_drops_every_span(self) -> None:
+        sdk = make_sdk(sampler=ALWAYS_OFF)
+        for _ in range(5):
+            sdk.telemetry.record_transfer(backup())
+        assert sdk.finished_spans() == []
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 80
+        (point,) = sdk.points(sc.METRIC_TRANSFER_DURATION).values()
+        assert point.count == 5
+
+    def test_spans_off_keeps_metrics(self) -> None:
+        sdk = make_sdk(spans=False)
+        sdk.telemetry.record_transfer(backup())
+        assert sdk.finished_spans() == []
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 16
+
+    def test_spans_are_created_off_the_calling_thread(self, sdk: Sdk) -> None:
+        sdk.telemetry.record_transfer(backup())
+        assert sdk.spans.get_finished_spans() == ()  # nothing yet: the worker has not drained
+        assert sdk.telemetry.flush()
+        assert len(sdk.spans.get_finished_spans()) == 1
+
+
+class TestNeverHarmTheHost:
+    @pytest.mark.parametrize(
+        ("record", "problem"),
+        [
+            (backup(operation="teleport"), "unknown_operation"),
+            (backup({"kv": -1}), "negative_count"),
+            (backup({"kv": None}), "bad_count"),  # type: ignore[dict-item]
+            (backup({"kv": 2.5}), "bad_count"),  # type: ignore[dict-item]
+            (backup({"kv": 1 << 41}), "absurd_count"),
+            (backup(num_bytes=-5), "negative_count"),
+            (backup(num_bytes=1 << 51), "absurd_count"),
+            (backup(copy_duration_s=float("nan")), "bad_duration"),
+            (backup(copy_duration_s=-0.1), "bad_duration"),
+            (backup(copy_duration_s="fast"), "bad_duration"),
+            (backup(complete_time_ns=T0 - 1), "end_before_start"),
+            (backup(num_bytes=10, bytes_by_pool={"kv": 9}), "bytes_mismatch"),
+            (backup(tokens_by_pool=None), "malformed"),
+        ],
+    )
+    def test_malformed_transfer_is_rejected_and_counted_not_raised(
+        self, sdk: Sdk, record: TransferRecord, problem: str
+    ) -> None:
+        sdk.telemetry.record_transfer(record)  # must not raise
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 0
+        assert sdk.finished_spans() == []
+        rejected = {sc.ATTR_RECORD_KIND: "transfer", sc.ATTR_PROBLEM: problem}
+        assert sdk.value(sc.METRIC_RECORDS_REJECTED, rejected) == 1
+
+    def test_not_a_record_at_all_is_rejected(self, sdk: Sdk) -> None:
+        for method in ("record_transfer", "record_drop", "record_eviction", "record_failure", "record_prefix_split"):
+            getattr(sdk.telemetry, method)(None)
+        rejected = sdk.points(sc.METRIC_RECORDS_REJECTED)
+        assert sum(p.value for p in rejected.values()) == 5
+
+    def test_bad_drop_eviction_and_prefix_records_are_rejected(self, sdk: Sdk) -> None:
+        sdk.telemetry.record_drop(DropRecord("bored", {"kv": 1}, T0))  # type: ignore[arg-type]
+        sdk.telemetry.record_eviction(EvictionRecord("moon", 1, 0.1, T0))  # type: ignore[arg-type]
+        sdk.telemetry.record_eviction(EvictionRecord(Tier.DEVICE, 1, float("inf"), T0))
+        sdk.telemetry.record_prefix_split(PrefixSplit(-1, 0, 0, 0))
+        problems = {
+            (dict(k)[sc.ATTR_RECORD_KIND], dict(k)[sc.ATTR_PROBLEM]): p.value
+            for k, p in sdk.points(sc.METRIC_RECORDS_REJECTED).items()
+        }
+        assert problems == {
+            ("drop", "unknown_reason"): 1,
+            ("eviction", "unknown_tier"): 1,
+            ("eviction", "bad_duration"): 1,
+            ("prefix_split", "negative_count"): 1,
+        }
+        assert sdk.value(sc.METRIC_PREFILL_TOKENS, {sc.ATTR_PREFILL_MODE: "input"}) == 0
+
+    def test_rejection_warns_once_per_problem(self, sdk: Sdk, caplog: pytest.LogCaptureFixture) -> None:
+        with caplog.at_level(logging.WARNING, logger="otel_hicache"):
+            for _ in range(50):
+                sdk.telemetry.record_transfer(backup(num_bytes=-1))
+        warnings = [r for r in caplog.records if "negative_count" in r.getMessage()]
+        assert len(warnings) == 1
+        rejected = {sc.ATTR_RECORD_KIND: "transfer", sc.ATTR_PROBLEM: "negative_count"}
+        assert sdk.value(sc.METRIC_RECORDS_REJECTED, rejected) == 50
+
+    def test_unknown_pools_collapse_into_other_so_cardinality_stays_bounded(
+        self, sdk: Sdk, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        with caplog.at_level(logging.WARNING, logger="otel_hicache"):
+            for i in range(500):
+                sdk.telemetry.record_transfer(backup({f"pool-{i}": 1}))
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "other")) == 500
+        pools = {dict(k)[sc.ATTR_POOL] for k in sdk.points(sc.METRIC_TRANSFER_TOKENS)}
+        assert pools == {"kv", "other"}
+        normalized = {sc.ATTR_RECORD_KIND: "transfer", sc.ATTR_PROBLEM: "unknown_pool"}
+        assert sdk.value(sc.METRIC_RECORDS_NORMALIZED, normalized) == 500
+        assert len([r for r in caplog.records if "unknown_pool" in r.getMessage()]) == 1
+        spans = sdk.finished_spans()
+        assert spans[0].attributes["hicache.transfer.tokens.other"] == 1
+        assert not any(k.startswith("hicache.transfer.tokens.pool-") for s in spans for k in s.attributes)
+
+    def test_a_failing_pool_usage_source_is_counted_and_others_still_report(self, sdk: Sdk) -> None:
+        def broken() -> list[PoolUsage]:
+            raise RuntimeError("pool gone")
+
+        sdk.telemetry.add_pool_usage_source(broken)
+        sdk.telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.HOST, "kv", 1, 2)])
+        assert sdk.value(sc.METRIC_POOL_LIMIT, {sc.ATTR_TIER: "host", sc.ATTR_POOL: "kv"}) == 2
+        rejected = {sc.ATTR_RECORD_KIND: "pool_usage", sc.ATTR_PROBLEM: "source_failed"}
+        assert sdk.value(sc.METRIC_RECORDS_REJECTED, rejected) >= 1
+
+
+class TestQueue:
+    def test_a_full_queue_drops_spans_but_counters_stay_exact(self) -> None:
+        sdk = make_sdk(max_queue=3, flush_interval_s=3600)
+        for _ in range(10):
+            sdk.telemetry.record_transfer(backup())
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 160
+        assert len(sdk.finished_spans()) == 3
+        assert sdk.value(sc.METRIC_RECORDS_DROPPED, {sc.ATTR_RECORD_KIND: "transfer"}) == 7
+
+    def test_after_shutdown_records_still_count_and_spans_are_dropped(self, sdk: Sdk) -> None:
+        sdk.telemetry.shutdown()
+        sdk.telemetry.record_transfer(backup())
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 16
+        assert sdk.finished_spans() == []
+        assert sdk.value(sc.METRIC_RECORDS_DROPPED, {sc.ATTR_RECORD_KIND: "transfer"}) == 1
+
+    def test_background_worker_drains_without_an_explicit_flush(self) -> None:
+        sdk = make_sdk(flush_interval_s=0.01)
+        sdk.telemetry.record_transfer(backup())
+        import time
+
+        deadline = time.monotonic() + 5
+        while not sdk.spans.get_finished_spans() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(sdk.spans.get_finished_spans()) == 1
+        sdk.telemetry.shutdown()
+
+
+def test_invalid_constructor_arguments_are_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="max_queue"):
+        make_sdk(max_queue=0)
+
+
+def test_links_accept_remote_span_contexts(sdk: Sdk) -> None:
+    remote = SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    sdk.telemetry.record_transfer(backup(links=(remote,)))
+    (span,) = sdk.finished_spans()
+    assert span.links[0].context.trace_id == 0x1234
