@@ -205,20 +205,25 @@ class HiCacheTelemetry:
             op = _OPERATIONS.get(record.operation)
             if op is None:
                 raise _Reject("unknown_operation")
-            tokens, renamed = self._pool_counts(record.tokens_by_pool, "transfer", MAX_TOKENS)
-            num_bytes = _count(record.num_bytes)
-            if num_bytes > MAX_BYTES:
-                raise _Reject("absurd_count")
-            pool_bytes = None
-            if record.bytes_by_pool is not None:
-                pool_bytes, renamed_bytes = self._pool_counts(record.bytes_by_pool, "transfer", MAX_BYTES)
+            # Fast checks for the common, well-formed record; anything unusual takes the careful path.
+            tokens = self._checked_counts(record.tokens_by_pool, MAX_TOKENS)
+            num_bytes = record.num_bytes
+            if type(num_bytes) is not int or not 0 <= num_bytes <= MAX_BYTES:
+                num_bytes = _count(num_bytes)
+                if num_bytes > MAX_BYTES:
+                    raise _Reject("absurd_count")
+            pool_bytes = record.bytes_by_pool
+            if pool_bytes is not None:
+                pool_bytes = self._checked_counts(pool_bytes, MAX_BYTES)
                 if sum(pool_bytes.values()) != num_bytes:
                     raise _Reject("bytes_mismatch")
-                renamed = renamed or renamed_bytes
-            if record.copy_duration_s is not None:
-                _duration(record.copy_duration_s)
-            if _count(record.complete_time_ns) < _count(record.submit_time_ns):
-                raise _Reject("end_before_start")
+            duration = record.copy_duration_s
+            if duration is not None and not (type(duration) is float and 0.0 <= duration <= MAX_DURATION_S):
+                _duration(duration)
+            start, end = record.submit_time_ns, record.complete_time_ns
+            if type(start) is not int or type(end) is not int or not 0 <= start <= end:
+                if _count(end) < _count(start):
+                    raise _Reject("end_before_start")
             with self._lock:
                 acc = self._tokens.values
                 for pool, n in tokens.items():
@@ -232,9 +237,15 @@ class HiCacheTelemetry:
                     for pool, n in pool_bytes.items():
                         key = (op, pool)
                         acc[key] = acc.get(key, 0) + n
-            if renamed:  # the span must show the same pools as the metrics
-                record = record._replace(tokens_by_pool=tokens, bytes_by_pool=pool_bytes)
-            self._enqueue(record, "transfer")
+            if tokens is not record.tokens_by_pool or pool_bytes is not record.bytes_by_pool:
+                record = record._replace(tokens_by_pool=tokens, bytes_by_pool=pool_bytes)  # span shows what we counted
+            queue = self._queue
+            if len(queue) < self._max_queue and not self._stopped and self._worker is not None:
+                queue.append(record)
+                if not len(queue) & 1023:  # a burst: wake the worker early, once per 1024 records
+                    self._wake.set()
+            else:
+                self._enqueue(record, "transfer")
         except _Reject as problem:
             self._reject("transfer", str(problem))
         except Exception:
@@ -261,7 +272,7 @@ class HiCacheTelemetry:
             reason = _REASONS.get(drop.reason)
             if reason is None:
                 raise _Reject("unknown_reason")
-            tokens, _ = self._pool_counts(drop.tokens_by_pool, "drop", MAX_TOKENS)
+            tokens = self._checked_counts(drop.tokens_by_pool, MAX_TOKENS, "drop")
             with self._lock:
                 acc = self._dropped.values
                 for pool, n in tokens.items():
@@ -364,18 +375,23 @@ class HiCacheTelemetry:
         self._warn_once(kind, "unknown_pool", f"pool {str(pool)[:64]!r} is not a known pool; counted as 'other'")
         return sc.OTHER_POOL
 
-    def _pool_counts(self, by_pool: Mapping[str, int], kind: str, limit: int) -> tuple[dict[str, int], bool]:
-        """Validated counts per known pool, and whether anything had to be normalized."""
+    def _checked_counts(self, by_pool: Mapping[str, int], limit: int, kind: str = "transfer") -> Mapping[str, int]:
+        """``by_pool`` itself when every pool is known and every count sane (no allocation); else a normalized copy
+        (unknown pools summed under ``other``, integer-like counts as int) or _Reject."""
+        for pool, n in by_pool.items():
+            if type(n) is not int or not 0 <= n <= limit or pool not in sc.POOLS:
+                break
+        else:
+            return by_pool
         out: dict[str, int] = {}
-        changed = False
         for pool, n in by_pool.items():
             n = _count(n)
             if n > limit:
                 raise _Reject("absurd_count")
             if pool not in sc.POOLS:
-                pool, changed = self._pool_name(pool, kind), True
+                pool = self._pool_name(pool, kind)
             out[pool] = out.get(pool, 0) + n
-        return out, changed
+        return out
 
     def _enqueue(self, record: Record, kind: str) -> None:
         queue = self._queue
@@ -387,7 +403,7 @@ class HiCacheTelemetry:
         queue.append(record)
         if self._worker is None:
             self._start_worker()
-        elif len(queue) >= 1024:
+        elif not len(queue) & 1023:
             self._wake.set()
 
     def _reject(self, kind: str, problem: str) -> None:

@@ -36,6 +36,7 @@ class OtlpReceiver:
         self.delay_s = delay_s
         self.trace_requests: list[ExportTraceRequest] = []
         self.metric_requests: list[ExportMetricsRequest] = []
+        self.headers: list[dict[str, str]] = []  # request headers / gRPC metadata, lower-case keys
         self._lock = threading.Lock()
         self._grpc_port = grpc_port
         self._http_port = http_port
@@ -48,12 +49,12 @@ class OtlpReceiver:
 
         class Traces(trace_service_pb2_grpc.TraceServiceServicer):
             def Export(self, request: Any, context: Any) -> Any:
-                receiver._keep(request)
+                receiver._keep(request, dict(context.invocation_metadata()))
                 return trace_service_pb2.ExportTraceServiceResponse()
 
         class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
             def Export(self, request: Any, context: Any) -> Any:
-                receiver._keep(request)
+                receiver._keep(request, dict(context.invocation_metadata()))
                 return metrics_service_pb2.ExportMetricsServiceResponse()
 
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -79,7 +80,7 @@ class OtlpReceiver:
 
                     body = gzip.decompress(body)
                 request.ParseFromString(body)
-                receiver._keep(request)
+                receiver._keep(request, {k.lower(): v for k, v in self.headers.items()})
                 payload = response.SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -121,10 +122,11 @@ class OtlpReceiver:
     def http_endpoint(self) -> str:
         return f"http://127.0.0.1:{self._http_port}"
 
-    def _keep(self, request: Any) -> None:
+    def _keep(self, request: Any, headers: dict[str, str]) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)  # a slow collector, on the receiving side only
         with self._lock:
+            self.headers.append(headers)
             if isinstance(request, ExportTraceRequest):
                 self.trace_requests.append(request)
             else:

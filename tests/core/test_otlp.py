@@ -98,3 +98,31 @@ def test_metric_points_equal_what_the_records_said(exported: tuple[OtlpReceiver,
         bucket = next(i for i, bound in enumerate(sc.TRANSFER_DURATION_BUCKETS) if record.copy_duration_s <= bound)
         assert list(point.bucket_counts) == [int(i == bucket) for i in range(len(sc.TRANSFER_DURATION_BUCKETS) + 1)]
         assert attributes(point.attributes)[sc.ATTR_TIMING_SOURCE] == record.timing_source.value
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_standard_environment_drives_endpoint_protocol_headers_and_sampler(
+    protocol: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with OtlpReceiver() as rx:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.grpc_endpoint if protocol == "grpc" else rx.http_endpoint)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=hicache-team,authorization=Bearer%20t0ken")
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "sglang-prefill-0")
+        setup = configure()
+        assert setup.mode == "otlp"
+        setup.telemetry.record_transfer(RECORDS[0])
+        setup.force_flush()
+        setup.shutdown()
+        assert rx.spans() == []  # the sampler said no spans ...
+        assert (
+            _sum_points(rx, sc.METRIC_TRANSFER_TOKENS)[
+                frozenset({sc.ATTR_OPERATION: "backup", sc.ATTR_POOL: "kv"}.items())
+            ]
+            == 128
+        )  # ... and the metrics are exact anyway
+        assert all(h.get("x-tenant") == "hicache-team" for h in rx.headers)
+        assert all(h.get("authorization") == "Bearer t0ken" for h in rx.headers)
+        resource = attributes(rx.metric_requests[0].resource_metrics[0].resource.attributes)
+        assert resource["service.name"] == "sglang-prefill-0"

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The test command: installs what the tests need (idempotent), then runs lint and every test suite.
+#   - .venv        the project + test extras (scripts/setup.sh)
+#   - .venv-sglang the real SGLang 0.5.23 HiCache classes on CPU (scripts/setup-sglang-venv.sh)
+#   - prometheus + promtool from Debian (apt-get, when missing)
+# Set SKIP_SGLANG=1 to skip the SGLang suite (and its ~3 GB venv).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null \
+    || { echo "test.sh: could not install Debian's prometheus package" >&2; exit 1; }
+  # the package starts a system service where systemd runs; the tests start their own servers
+  $SUDO systemctl stop prometheus prometheus-node-exporter 2>/dev/null || true
+fi
+
+bash scripts/setup.sh || { echo "test.sh: scripts/setup.sh failed" >&2; exit 1; }
+if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
+  bash scripts/setup-sglang-venv.sh || { echo "test.sh: scripts/setup-sglang-venv.sh failed" >&2; exit 1; }
+fi
+
+status=0
+.venv/bin/ruff check . || status=1
+.venv/bin/ruff format --check . || status=1
+
+.venv/bin/python -m pytest -p no:cacheprovider -m "not sglang" "$@"
+rc=$?; [[ $rc -eq 0 ]] || status=$rc
+
+if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
+  .venv-sglang/bin/python -m pytest -p no:cacheprovider -m sglang tests/sglang "$@"
+  rc=$?; [[ $rc -eq 0 || $rc -eq 5 ]] || status=$rc
+fi
+exit $status
