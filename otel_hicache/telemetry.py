@@ -52,7 +52,7 @@ _OPERATIONS: dict[str, TransferOperation] = {op.value: op for op in TransferOper
 _REASONS: dict[str, DropReason] = {r.value: r for r in DropReason}
 _TIERS: dict[str, Tier] = {t.value: t for t in Tier}
 _Key = Hashable
-Record = TransferRecord | TransferFailure | DropRecord | EvictionRecord
+Record = TransferRecord | EvictionRecord  # what the worker turns into spans and histogram points
 
 
 class _Reject(Exception):
@@ -227,16 +227,13 @@ class HiCacheTelemetry:
             with self._lock:
                 acc = self._tokens.values
                 for pool, n in tokens.items():
-                    key = (op, pool)
-                    acc[key] = acc.get(key, 0) + n
+                    acc[(op, pool)] = acc.get((op, pool), 0) + n
                 acc = self._bytes.values
                 if pool_bytes is None:
-                    key = (op, None)
-                    acc[key] = acc.get(key, 0) + num_bytes
+                    acc[(op, None)] = acc.get((op, None), 0) + num_bytes
                 else:
                     for pool, n in pool_bytes.items():
-                        key = (op, pool)
-                        acc[key] = acc.get(key, 0) + n
+                        acc[(op, pool)] = acc.get((op, pool), 0) + n
             if tokens is not record.tokens_by_pool or pool_bytes is not record.bytes_by_pool:
                 record = record._replace(tokens_by_pool=tokens, bytes_by_pool=pool_bytes)  # span shows what we counted
             queue = self._queue
@@ -447,7 +444,7 @@ class HiCacheTelemetry:
         while queue:
             record = queue.popleft()
             try:
-                if type(record) is TransferRecord:
+                if isinstance(record, TransferRecord):
                     self._emit_transfer(record)
                 else:
                     self._eviction_duration.record(record.duration_s, {sc.ATTR_TIER: _TIERS[record.tier].value})
