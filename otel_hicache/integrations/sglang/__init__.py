@@ -1,0 +1,57 @@
+"""OpenTelemetry for SGLang HiCache (``sglang >= 0.5.23``), with no change to SGLang's code.
+
+Zero-code: the instrumentor is registered in the ``opentelemetry_instrumentor`` entry-point group, so::
+
+    opentelemetry-instrument python -m sglang.launch_server --enable-hierarchical-cache ...
+
+instruments every SGLang process (spawned scheduler processes inherit the auto-instrumentation). One line in code
+does the same::
+
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+    SGLangHiCacheInstrumentor().instrument()            # or (tracer_provider=..., meter_provider=...)
+
+What is reported, all through :class:`~otel_hicache.telemetry.HiCacheTelemetry`:
+
+========================================  =============================================================================
+SGLang method (wrapped)                   becomes
+========================================  =============================================================================
+``HiCacheController.start_writing`` /     submission time and merged-op count of the ack it appends
+``start_loading``
+``UnifiedRadixCache.writing_check`` /     one ``hicache.backup`` / ``hicache.load_back`` span and transfer record per
+``loading_check``                         consumed ``HiCacheAck``: tokens per pool, bytes (one total; SGLang does not
+                                          split bytes by pool), node count, copy time from the ack's own events when
+                                          ``timing_enabled`` (none otherwise, e.g. on CPU)
+``UnifiedRadixCache._record_dropped_      ``hicache.dropped.tokens{reason, pool="kv"}``
+tokens``
+``UnifiedRadixCache._evict``              ``hicache.eviction.tokens`` / ``.duration`` (tier ``device``; passes that
+                                          free nothing are not reported, as in SGLang)
+``PrefillAdder._update_prefill_budget``,  ``hicache.prefill.tokens{mode}``: input (retracted re-counts excluded) and
+``_account_prefill_cache_admission``      device / host / storage hits, at admission
+``HiCacheController._page_backup_or_log`` ``hicache.storage_backup`` (L2 -> L3, storage thread, host-clock timed)
+``UnifiedRadixCache._handle_prefetch_     ``hicache.storage_prefetch`` (L3 -> L2, from the prefetch's issue to its
+result``                                  result)
+``UnifiedRadixCache.init_hicache``        ``hicache.pool.usage`` / ``.limit`` of the host KV pool, read at collection
+``HiCacheController.reset``               forgets acks the reset discarded
+========================================  =============================================================================
+
+Span times: start = submission (wall clock when ``start_writing`` / ``start_loading`` was entered), end = when the
+consuming check saw the ack complete; the device-measured copy time is the ``hicache.transfer.copy_duration``
+attribute and the ``hicache.transfer.duration`` histogram. No device synchronisation is added.
+
+SGLang's own ``sglang:*`` series also flow over OTel through its ``stat_loggers`` hook (``scheduler``, ``storage``,
+``radix_cache`` roles; see :mod:`.stat_loggers`); the HiCache series above are not exported twice.
+
+Agreement with SGLang's prometheus collectors (checked by ``tests/sglang``): backup and load-back tokens per pool
+and bytes, dropped tokens per reason, prefill tokens per mode and evicted tokens are equal. Known differences:
+``hicache.*`` values are counted even when SGLang runs without ``--enable-metrics``; a hybrid prefetch that SGLang
+discards after it arrived is still a completed ``storage_prefetch`` transfer here; L3 bytes are the KV pool's
+tokens times its bytes per token (0 where the host pool is a group that does not state a size).
+
+Failure rules: a missing or unsupported SGLang gives one warning and no patching; a missing method skips only its
+signal (one warning); a wrapper whose own code fails logs once and SGLang runs unchanged. ``uninstrument()``
+restores every patched attribute to the original object; ``instrument()`` twice wraps nothing twice.
+"""
+
+from otel_hicache.integrations.sglang.instrumentor import TARGETS, SGLangHiCacheInstrumentor
+
+__all__ = ["TARGETS", "SGLangHiCacheInstrumentor"]

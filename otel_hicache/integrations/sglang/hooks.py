@@ -1,0 +1,340 @@
+"""The wrapt wrappers around SGLang's HiCache methods.
+
+Each wrapper calls SGLang's method exactly once, unchanged, and reads only what SGLang already computed (the
+``HiCacheAck`` of a merged transfer, an eviction result, the prefill adder's counters) to build a record for
+:class:`~otel_hicache.telemetry.HiCacheTelemetry`. Nothing here synchronises a device: a copy duration is read
+from an ack's events only after SGLang consumed the ack (its finish event is complete), through
+:func:`otel_hicache.timing.elapsed_seconds`, which checks ``query()`` first.
+
+Failure rule: if a wrapper's own code fails it logs once per hook and the host's call goes on untouched; an
+exception raised by SGLang's method propagates exactly as without instrumentation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferRecord
+from otel_hicache.semconv import DEFAULT_POOL, Tier, TimingSource, TransferOperation
+from otel_hicache.telemetry import HiCacheTelemetry
+from otel_hicache.timing import ANCHOR, elapsed_seconds, now_ns
+
+_log = logging.getLogger(__name__)
+
+#: Submitted acks remembered per controller and direction; beyond this the oldest are forgotten (a controller whose
+#: acks are never consumed, e.g. a queue cleared by code we do not wrap, must not grow memory without bound).
+MAX_PENDING = 4096
+
+_WRITE = "write"
+_LOAD = "load"
+_SUBMIT_HOOK = {_WRITE: "start_writing", _LOAD: "start_loading"}
+_CHECK_HOOK = {_WRITE: "writing_check", _LOAD: "loading_check"}
+_Pending = tuple[Any, int, int]  # (ack, submit_time_ns, merged_ops)
+
+
+class _ControllerState:
+    """The acks one controller submitted that SGLang has not consumed yet, in submission order, by ``id(ack)``."""
+
+    __slots__ = ("load", "write")
+
+    def __init__(self) -> None:
+        self.write: dict[int, _Pending] = {}
+        self.load: dict[int, _Pending] = {}
+
+
+class HiCacheHooks:
+    """The wrapper callables (wrapt signature ``(wrapped, instance, args, kwargs)``) bound to one telemetry sink."""
+
+    def __init__(self, telemetry: HiCacheTelemetry) -> None:
+        self.telemetry = telemetry
+        self._states: weakref.WeakKeyDictionary[Any, _ControllerState] = weakref.WeakKeyDictionary()
+        self._failed: set[str] = set()
+        self._lock = threading.Lock()  # guards the WeakKeyDictionary's structure (storage threads also read it)
+
+    # ------------------------------------------------------------------ failure rule
+    def _fail(self, hook: str) -> None:
+        if hook in self._failed:
+            return
+        self._failed.add(hook)
+        _log.warning(
+            "otel_hicache: the %s hook failed; SGLang runs unchanged, this hook's telemetry may be incomplete. "
+            "Further failures of this hook are not logged.",
+            hook,
+            exc_info=True,
+        )
+
+    def _state(self, controller: Any) -> _ControllerState:
+        state = self._states.get(controller)
+        if state is None:
+            with self._lock:
+                state = self._states.setdefault(controller, _ControllerState())
+        return state
+
+    # ------------------------------------------------------------------ submission: HiCacheController
+    def start_writing(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        return self._submit(wrapped, instance, args, kwargs, _WRITE)
+
+    def start_loading(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        return self._submit(wrapped, instance, args, kwargs, _LOAD)
+
+    def _submit(self, wrapped: Callable[..., Any], cc: Any, args: tuple, kwargs: dict, direction: str) -> Any:
+        try:
+            if direction is _WRITE:
+                acks, merged = cc.ack_write_queue, len(cc.write_queue)
+            else:
+                acks, merged = cc.ack_load_queue, len(cc.load_queue)
+            n_acks = len(acks)
+            submit_ns = now_ns()
+        except Exception:
+            self._fail(_SUBMIT_HOOK[direction])
+            return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        try:
+            if merged and len(acks) > n_acks:  # one merged op became one ack, appended last
+                ack = acks[-1]
+                state = self._state(cc)
+                pending = state.write if direction is _WRITE else state.load
+                pending[id(ack)] = (ack, submit_ns, merged)
+                if len(pending) > MAX_PENDING:
+                    del pending[next(iter(pending))]
+        except Exception:
+            self._fail(_SUBMIT_HOOK[direction])
+        return result
+
+    def reset(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``HiCacheController.reset`` clears the ack queues: forget their acks, they were never consumed."""
+        result = wrapped(*args, **kwargs)
+        try:
+            with self._lock:
+                self._states.pop(instance, None)
+        except Exception:
+            self._fail("reset")
+        return result
+
+    # ------------------------------------------------------------------ completion: UnifiedRadixCache
+    def writing_check(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        return self._check(wrapped, instance, args, kwargs, _WRITE)
+
+    def loading_check(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        return self._check(wrapped, instance, args, kwargs, _LOAD)
+
+    def _check(self, wrapped: Callable[..., Any], cache: Any, args: tuple, kwargs: dict, direction: str) -> Any:
+        try:
+            cc = cache.cache_controller
+            if cc is None:
+                return wrapped(*args, **kwargs)
+            acks = cc.ack_write_queue if direction is _WRITE else cc.ack_load_queue
+            before = acks[:] if acks else ()
+        except Exception:
+            self._fail(_CHECK_HOOK[direction])
+            return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        try:
+            self._reap(cc, acks, before, direction)
+        except Exception:
+            self._fail(_CHECK_HOOK[direction])
+        return result
+
+    def _reap(self, cc: Any, acks: list, before: Any, direction: str) -> None:
+        """Report every ack SGLang consumed during the check (it is gone from the queue), oldest first."""
+        state = self._states.get(cc)
+        pending = None if state is None else (state.write if direction is _WRITE else state.load)
+        if not before and not pending:
+            return
+        live = {id(a) for a in acks} if acks else set()
+        done_ns = now_ns()
+        operation = TransferOperation.BACKUP if direction is _WRITE else TransferOperation.LOAD_BACK
+        # Acks queued before instrumentation have no submission time: their span starts at completion.
+        for ack in before:
+            key = id(ack)
+            if key not in live and (pending is None or key not in pending):
+                self._emit(cc, ack, done_ns, done_ns, 1, operation)
+        if pending:
+            for key in [k for k in pending if k not in live]:
+                ack, submit_ns, merged = pending.pop(key)
+                self._emit(cc, ack, submit_ns, done_ns, merged, operation)
+
+    def _emit(self, cc: Any, ack: Any, submit_ns: int, done_ns: int, merged: int, op: TransferOperation) -> None:
+        duration = None
+        if ack.timing_enabled:  # the ack is consumed, so its finish event is complete: no sync here
+            duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
+        self.telemetry.record_transfer(
+            TransferRecord(
+                op,
+                ack.num_tokens_by_pool or {},
+                ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
+                submit_ns,
+                done_ns,
+                duration,
+                TimingSource.CUDA_EVENT if duration is not None else TimingSource.NONE,
+                merged,
+                len(ack.node_ids),
+                None,
+                cc.write_policy if op is TransferOperation.BACKUP else None,
+                cc.io_backend or None,
+            )
+        )
+
+    # ------------------------------------------------------------------ eviction and drops: UnifiedRadixCache
+    def evict(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``_evict``: one eviction pass; SGLang reports full-layer tokens only, and nothing when none were freed."""
+        start = time.perf_counter()
+        result = wrapped(*args, **kwargs)
+        try:
+            freed = result.num_tokens_evicted
+            if freed > 0:
+                duration = time.perf_counter() - start
+                self.telemetry.record_eviction(EvictionRecord(Tier.DEVICE, freed, duration, now_ns()))
+        except Exception:
+            self._fail("evict")
+        return result
+
+    def record_dropped_tokens(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        try:
+            tokens, reason = _drop_arguments(*args, **kwargs)
+            if tokens > 0:
+                self.telemetry.record_drop(DropRecord(reason, {DEFAULT_POOL: tokens}, now_ns()))
+        except Exception:
+            self._fail("record_dropped_tokens")
+        return result
+
+    # ------------------------------------------------------------------ prefill admission: PrefillAdder
+    def prefill_admission(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``_update_prefill_budget`` / ``_account_prefill_cache_admission``: the adder's counter deltas.
+
+        SGLang's ``prefill_effective_tokens_total`` is built from the same counters (input minus retracted
+        re-counts, and the per-tier split of non-retracted requests), so the sums agree.
+        """
+        try:
+            before = _prefill_counts(instance)
+        except Exception:
+            self._fail("prefill_admission")
+            return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        try:
+            after = _prefill_counts(instance)
+            split = PrefixSplit(after[0] - before[0], after[1] - before[1], after[2] - before[2], after[3] - before[3])
+            if any(split):
+                self.telemetry.record_prefix_split(split)
+        except Exception:
+            self._fail("prefill_admission")
+        return result
+
+    # ------------------------------------------------------------------ L3 storage
+    def storage_backup(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``_page_backup_or_log`` (storage backup thread): one host -> storage write, host-clock timed."""
+        submit_ns, start = now_ns(), time.perf_counter()
+        result = wrapped(*args, **kwargs)
+        try:
+            operation = args[0] if args else kwargs["operation"]
+            tokens = operation.completed_tokens
+            if tokens > 0:
+                duration = time.perf_counter() - start
+                self.telemetry.record_transfer(
+                    TransferRecord(
+                        TransferOperation.STORAGE_BACKUP,
+                        {DEFAULT_POOL: tokens},
+                        tokens * _size_per_token(instance.storage_host_pool),
+                        submit_ns,
+                        now_ns(),
+                        duration,
+                        TimingSource.HOST_CLOCK,
+                        1,
+                        0,
+                        None,
+                        instance.write_policy,
+                        instance.storage_backend_type,
+                    )
+                )
+        except Exception:
+            self._fail("storage_backup")
+        return result
+
+    def storage_prefetch(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``_handle_prefetch_result``: a finished storage -> host prefetch, from its issue to its result."""
+        try:
+            operation = args[0] if args else kwargs["operation"]
+            tokens = operation.completed_tokens
+            issued_ns = ANCHOR.to_epoch_ns(int(operation.start_time * 1e9))  # PrefetchOperation: time.monotonic()
+        except Exception:
+            self._fail("storage_prefetch")
+            return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        try:
+            if tokens > 0:
+                cc = instance.cache_controller
+                self.telemetry.record_transfer(
+                    TransferRecord(
+                        TransferOperation.STORAGE_PREFETCH,
+                        {DEFAULT_POOL: tokens},
+                        tokens * _size_per_token(cc.storage_host_pool),
+                        min(issued_ns, now_ns()),
+                        now_ns(),
+                        None,
+                        TimingSource.NONE,
+                        1,
+                        0,
+                        None,
+                        None,
+                        cc.storage_backend_type,
+                    )
+                )
+        except Exception:
+            self._fail("storage_prefetch")
+        return result
+
+    # ------------------------------------------------------------------ pool occupancy
+    def init_hicache(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """After ``UnifiedRadixCache.init_hicache``: report the host KV pool's occupancy at each collection."""
+        result = wrapped(*args, **kwargs)
+        try:
+            self.telemetry.add_pool_usage_source(_HostPoolSource(instance, self.telemetry))
+        except Exception:
+            self._fail("init_hicache")
+        return result
+
+
+class _HostPoolSource:
+    """Host KV pool occupancy as SGLang's scheduler computes it (logical size minus available), read lazily."""
+
+    __slots__ = ("__weakref__", "_cache", "_telemetry")
+
+    def __init__(self, cache: Any, telemetry: HiCacheTelemetry) -> None:
+        self._cache = weakref.ref(cache)
+        self._telemetry = telemetry
+
+    def __call__(self) -> list[PoolUsage]:
+        cache = self._cache()
+        if cache is None:  # the cache is gone: stop reporting it
+            self._telemetry.remove_pool_usage_source(self)
+            return []
+        pool = getattr(cache, "token_to_kv_pool_host", None) or getattr(cache, "full_kv_pool_host", None)
+        if pool is None:
+            return []
+        total = pool.logical_size
+        return [PoolUsage(Tier.HOST, DEFAULT_POOL, total - pool.available_size(), total)]
+
+
+def _drop_arguments(dropped_tokens: int, reason: str) -> tuple[int, str]:
+    return int(dropped_tokens), str(reason)
+
+
+def _prefill_counts(adder: Any) -> tuple[int, int, int, int]:
+    return (
+        adder.log_input_tokens - adder.reprocessed_log_input_tokens,
+        adder.log_device_hit_tokens,
+        adder.log_host_hit_tokens,
+        adder.log_storage_hit_tokens,
+    )
+
+
+def _size_per_token(pool: Any) -> int:
+    """Bytes per token of a host pool; 0 where the pool does not say (a pool group)."""
+    size = getattr(pool, "size_per_token", 0)
+    return size if isinstance(size, int) and size > 0 else 0

@@ -1,0 +1,139 @@
+"""Fixtures for running SGLang 0.5.23's real HiCache classes on a CPU (run in .venv-sglang).
+
+CPU shims, test-only, for the three GPU-only pieces the HiCache path touches (nothing else is replaced):
+* ``pool_host.mha.transfer_kv_direct`` is a CUDA kernel op (sgl_kernel): replaced by the same index copy in torch;
+* ``pool_host.common.ALLOC_MEMORY_FUNCS["cpu"]`` pins host memory with cudaHostRegister: replaced by a plain alloc;
+* the test kit's ``get_device`` must say ``"cpu"``.
+The transfers use ``hicache_io_backend="direct"`` with ``hicache_mem_layout="layer_first"``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+def _transfer_kv_direct(src_layers: list, dst_layers: list, src_indices: Any, dst_indices: Any, page_size: int = 1):
+    """What sgl_kernel's transfer_kv_direct does, in torch: copy the indexed token rows of every layer."""
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst.index_copy_(0, dst_indices.to(dst.device), src.index_select(0, src_indices.to(src.device)))
+
+
+def _alloc_plain(dims: tuple, dtype: Any, device: str, pin_memory: bool, allocator: Any, *_: Any, **__: Any) -> Any:
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+@pytest.fixture(scope="session")
+def cpu_sglang() -> Iterator[None]:
+    """Install the CPU shims for the whole session (restored at the end)."""
+    pytest.importorskip("sglang")
+    import sglang.srt.mem_cache.pool_host.common as common
+    import sglang.srt.mem_cache.pool_host.mha as mha
+    import sglang.test.kits.unified_radix_cache.fixtures as kit
+
+    saved = (getattr(mha, "transfer_kv_direct", None), common.ALLOC_MEMORY_FUNCS.get("cpu"), kit.get_device)
+    mha.transfer_kv_direct = _transfer_kv_direct
+    common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_plain
+    kit.get_device = lambda *_a, **_k: "cpu"
+    yield
+    mha.transfer_kv_direct, cpu_alloc, kit.get_device = saved
+    if cpu_alloc is None:
+        common.ALLOC_MEMORY_FUNCS.pop("cpu", None)
+    else:
+        common.ALLOC_MEMORY_FUNCS["cpu"] = cpu_alloc
+
+
+@pytest.fixture(scope="session")
+def sglang_metrics(cpu_sglang: None) -> Any:
+    """SGLang's own prometheus collector for the radix cache (one per process: prometheus_client's registry
+    refuses a second). Tests read deltas from it."""
+    from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector
+
+    return RadixCacheMetricsCollector(labels={"cache_type": "UnifiedRadixCache", "tp_rank": "0"})
+
+
+class Otel:
+    """An SDK tracer and meter provider reading into memory, and the HiCacheTelemetry reporting through them."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        from otel_hicache.telemetry import HiCacheTelemetry
+
+        self.spans_exporter = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider()
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans_exporter))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader])
+        self.telemetry = HiCacheTelemetry(self.tracer_provider, self.meter_provider)
+
+    def spans(self, name: str | None = None) -> list[Any]:
+        self.telemetry.flush()
+        return [s for s in self.spans_exporter.get_finished_spans() if name is None or s.name == name]
+
+    def counters(self) -> dict[str, dict[tuple, int]]:
+        return self.telemetry.snapshot()
+
+    def shutdown(self) -> None:
+        self.telemetry.shutdown()
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+@pytest.fixture
+def otel() -> Iterator[Otel]:
+    sink = Otel()
+    yield sink
+    sink.shutdown()
+
+
+@pytest.fixture
+def instrumented(cpu_sglang: None, otel: Otel) -> Iterator[Otel]:
+    """SGLang instrumented for one test, reporting into ``otel``; uninstrumented afterwards."""
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+
+    instrumentor = SGLangHiCacheInstrumentor()
+    instrumentor.instrument(telemetry=otel.telemetry, stat_loggers=False)
+    assert instrumentor.is_instrumented_by_opentelemetry
+    yield otel
+    instrumentor.uninstrument()
+
+
+def build_hicache(
+    write_policy: str,
+    *,
+    metrics: Any = None,
+    kv_size: int = 64,
+    page_size: int = 1,
+    num_layers: int = 2,
+) -> tuple[Any, Any, Any]:
+    """A real UnifiedRadixCache with HiCache on a CPU: (cache, device allocator, req_to_token_pool)."""
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from sglang.test.kits.unified_radix_cache.config import CacheConfig
+    from sglang.test.kits.unified_radix_cache.fixtures import build_fixture, drop_hicache_atexit_pin
+
+    cfg = CacheConfig(
+        page_size=page_size, kv_size=kv_size, num_layers=num_layers, full_attention_layer_ids=tuple(range(num_layers))
+    )
+    cache, allocator, req_to_token_pool = build_fixture(cfg)
+    cache.metrics_collector = metrics  # SGLang's own collector, as --enable-metrics sets it
+    server_args = ServerArgs(
+        model_path="dummy",
+        page_size=page_size,
+        hicache_io_backend="direct",
+        hicache_mem_layout="layer_first",
+        hicache_write_policy=write_policy,
+    )
+    set_global_server_args_for_scheduler(server_args)
+    cache.init_hicache(server_args, cache.cache_init_params)
+    drop_hicache_atexit_pin(cache)
+    return cache, allocator, req_to_token_pool
