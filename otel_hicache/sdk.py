@@ -102,13 +102,20 @@ class TelemetrySetup:
     recent_spans: RecentSpans | None = None  # embedded mode: the latest spans
     prometheus_address: tuple[str, int] | None = None
     _closers: list[Any] = field(default_factory=list)
+    _push_readers: list[MetricReader] = field(default_factory=list)
 
     def force_flush(self, timeout_s: float = 5.0) -> None:
+        """Create queued spans, export them, and push metrics now.
+
+        Only push readers are flushed: a collection on the Prometheus reader would be queued and served twice by the
+        next scrape (the exporter keeps every collection until scraped).
+        """
         self.telemetry.flush(timeout_s)
-        for provider in (self.tracer_provider, self.meter_provider):
-            flush = getattr(provider, "force_flush", None)
-            if flush is not None:
-                flush(int(timeout_s * 1000))
+        flush = getattr(self.tracer_provider, "force_flush", None)
+        if flush is not None:
+            flush(int(timeout_s * 1000))
+        for reader in self._push_readers:
+            reader.force_flush(int(timeout_s * 1000))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self.telemetry.shutdown(timeout_s)
@@ -312,8 +319,9 @@ def configure(
     mode = "otlp" if "otlp" in (traces_kind, metrics_kind) else (
         "embedded" if "embedded" in (traces_kind, metrics_kind) else traces_kind
     )  # fmt: skip
+    push = [r for r in readers if isinstance(r, PeriodicExportingMetricReader)]
     return TelemetrySetup(
-        telemetry, tracer_provider, meter_provider, mode, memory_reader, recent, prometheus_address, closers
+        telemetry, tracer_provider, meter_provider, mode, memory_reader, recent, prometheus_address, closers, push
     )
 
 

@@ -13,9 +13,10 @@ from otel_hicache.sdk import configure
 from otel_hicache.semconv import TransferOperation
 from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
 
-#: The most the calling thread may spend per record even with a broken pipeline (a generous behavioural bound:
-#: a blocking export would take the exporter timeout, seconds, per call).
-CALLER_BOUND_S = 0.05
+#: The most one record call may take with a broken pipeline. A call that waited on an export would take the
+#: exporter's timeout (2 s here) or the receiver's delay; the bound is far below those and far above scheduling noise
+#: on a loaded 2-core machine, so it tests behaviour, not speed.
+CALLER_BOUND_S = 0.5
 
 
 def record(tokens: int = 4) -> TransferRecord:
@@ -54,7 +55,7 @@ def test_dead_endpoint_never_blocks_the_caller_and_shutdown_is_bounded(
 
 
 def test_slow_receiver_does_not_slow_the_caller_and_everything_arrives() -> None:
-    with OtlpReceiver(delay_s=0.5) as rx:
+    with OtlpReceiver(delay_s=1.5) as rx:
         setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
         worst = 0.0
         for _ in range(500):

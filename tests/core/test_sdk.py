@@ -137,6 +137,10 @@ def test_prometheus_port_serves_the_vocabulary_under_prometheus_names() -> None:
         assert "hicache_transfer_size_bytes_total" in body
         assert "hicache_transfer_duration_seconds_bucket" in body
         assert "hicache_prefill_tokens_total" in body
+        again = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
+        series = re.compile(r'^hicache_transfer_tokens_total\{hicache_operation="backup",hicache_pool="kv"', re.M)
+        for scrape in (body, again):  # force_flush must not make a scrape serve a metric twice
+            assert len(series.findall(scrape)) == 1
     finally:
         setup.shutdown()
 
