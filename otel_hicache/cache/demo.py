@@ -1,0 +1,160 @@
+"""The demo the CLI runs: the reference cache under the seeded chat workload, reporting through the telemetry core.
+
+Sized so ~200 requests take a few seconds on a CPU and exercise all four transfer operations, eviction on both
+tiers, drops under ``write_back`` and hits on all three tiers, with real (small) tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from otel_hicache.cache.hicache import Admission, CacheConfig, HiCache, default_device
+from otel_hicache.cache.pools import PoolSpec
+from otel_hicache.cache.workload import WorkloadConfig
+from otel_hicache.cache.workload import requests as workload_requests
+from otel_hicache.semconv import DropReason, PrefillMode, Tier, TransferOperation
+from otel_hicache.telemetry import HiCacheTelemetry
+
+DEMO_POOLS = (
+    PoolSpec("kv", layers=4, heads=2, head_dim=32),  # 1 KiB per token
+    PoolSpec("draft", layers=1, heads=2, head_dim=32, sidecar_of="kv"),  # rides kv's indices: bytes only
+    PoolSpec("mamba", layers=4, heads=1, head_dim=64, kv=False, per_node=True),  # one state slot per node
+)
+DEFAULT_REQUESTS = 200
+IN_FLIGHT = 2  # admitted requests holding their prefix at once
+
+
+@dataclass
+class DemoResult:
+    """Ground truth of a demo run, counted by the cache at the copy sites (not read back from telemetry).
+
+    ``copied_tokens[operation][pool]``: tokens (state slots for mamba) actually copied, sidecars excluded;
+    ``copied_bytes[operation][pool]``: bytes of the tensors copied, sidecars included;
+    ``dropped_tokens[reason]``: kv tokens freed with no copy anywhere (``dropped_tokens_by_pool`` per pool);
+    ``prefix_tokens[mode]``: prefill tokens by mode; ``evicted_tokens[tier]``: slots freed by eviction.
+    """
+
+    requests: int
+    wall_time_s: float
+    device: str
+    write_policy: str
+    copied_tokens: dict[str, dict[str, int]]
+    copied_bytes: dict[str, dict[str, int]]
+    dropped_tokens: dict[str, int]
+    dropped_tokens_by_pool: dict[str, dict[str, int]]
+    prefix_tokens: dict[str, int]
+    evicted_tokens: dict[str, int]
+    transfer_failures: dict[str, int] = field(default_factory=dict)  # "operation/error_type" -> count
+
+    @property
+    def hit_rate(self) -> float:
+        hits = sum(v for k, v in self.prefix_tokens.items() if k != PrefillMode.INPUT.value)
+        total = hits + self.prefix_tokens.get(PrefillMode.INPUT.value, 0)
+        return hits / total if total else 0.0
+
+
+def demo_config(device: str, write_policy: str, storage_dir: str | os.PathLike[str], seed: int) -> CacheConfig:
+    return CacheConfig(
+        pools=DEMO_POOLS,
+        page_size=16,
+        device_tokens=1536,
+        host_tokens=1536,
+        device_states=48,
+        host_states=96,
+        write_policy=write_policy,
+        storage_dir=storage_dir,
+        device=device,
+        seed=seed,
+    )
+
+
+def run_demo(
+    telemetry: HiCacheTelemetry,
+    *,
+    requests: int | None = None,
+    seconds: float | None = None,
+    seed: int = 0,
+    device: str | None = None,
+    write_policy: str = "write_back",
+    storage_dir: str | os.PathLike[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> DemoResult:
+    """Serve ``requests`` prompts (default 200), or as many as fit in ``seconds``, or whichever ends first."""
+    if requests is not None and requests < 0:
+        raise ValueError(f"requests must be >= 0, not {requests}")
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"seconds must be > 0, not {seconds}")
+    if requests is None and seconds is None:
+        requests = DEFAULT_REQUESTS
+    device = device or default_device()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    tmp = tempfile.mkdtemp(prefix="otel-hicache-l3-") if storage_dir is None else None
+    cache = HiCache(demo_config(device, write_policy, storage_dir or tmp or "", seed), telemetry)
+    start = time.perf_counter()
+    deadline = start + seconds if seconds is not None else None
+    served = 0
+    in_flight: collections.deque[Admission] = collections.deque()
+    try:
+        for prompt in workload_requests(WorkloadConfig(seed=seed)):
+            if (requests is not None and served >= requests) or (
+                deadline is not None and time.perf_counter() >= deadline
+            ):
+                break
+            in_flight.append(cache.admit(prompt))
+            if len(in_flight) > IN_FLIGHT:
+                cache.release(in_flight.popleft())
+            # Settle in-flight transfers and L3 jobs each step: the run (and every count) is then the same for a
+            # seed on any machine, instead of depending on how fast the L3 threads got the GIL.
+            cache.flush()
+            served += 1
+            if progress is not None:
+                progress(served)
+        while in_flight:
+            cache.release(in_flight.popleft())
+    finally:
+        cache.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    telemetry.flush()
+    return _result(cache, served, time.perf_counter() - start, device, write_policy)
+
+
+def _result(cache: HiCache, served: int, wall: float, device: str, policy: str) -> DemoResult:
+    owning = set(cache.host.owning)
+    tokens = {op.value: {p: 0 for p in sorted(owning)} for op in TransferOperation}
+    nbytes = {op.value: {p: 0 for p in cache.host.pools} for op in TransferOperation}
+    sources = [cache.controller.stats] + ([cache.store.stats] if cache.store is not None else [])
+    failures: dict[str, int] = {}
+    for stats in sources:
+        for (op, pool), n in stats.slots.items():
+            if pool in owning:
+                tokens[op][pool] += n
+        for (op, pool), n in stats.bytes.items():
+            nbytes[op][pool] += n
+    if cache.store is not None:
+        failures = {f"{op}/{err}": n for (op, err), n in cache.store.stats.failures.items()}
+    dropped_by_pool = {r.value: {} for r in DropReason}
+    for (reason, pool), n in cache.stats.dropped.items():
+        dropped_by_pool[reason][pool] = n
+    return DemoResult(
+        requests=served,
+        wall_time_s=wall,
+        device=device,
+        write_policy=policy,
+        copied_tokens=tokens,
+        copied_bytes=nbytes,
+        dropped_tokens={r: by_pool.get("kv", 0) for r, by_pool in dropped_by_pool.items()},
+        dropped_tokens_by_pool=dropped_by_pool,
+        prefix_tokens={m.value: cache.stats.prefix.get(m.value, 0) for m in PrefillMode},
+        evicted_tokens={t.value: cache.stats.evicted.get(t.value, 0) for t in (Tier.DEVICE, Tier.HOST)},
+        transfer_failures=failures,
+    )
