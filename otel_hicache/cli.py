@@ -1,0 +1,376 @@
+"""``otel-hicache``: run the seeded demo workload through the reference tiered cache and show its telemetry.
+
+    otel-hicache demo --requests 200                 # embedded: prints a summary when done
+    otel-hicache demo --seconds 60 --endpoint http://localhost:4317          # OTLP gRPC to a Collector
+    OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4318 OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf otel-hicache demo
+    otel-hicache demo --seconds 30 --prometheus-port 9464 --linger 30      # also a Prometheus scrape endpoint
+
+Exit status: 0 done, 1 the run failed, 2 bad arguments or configuration (flags or ``OTEL_*`` variables), 130
+interrupted. Computing the summary lives in :mod:`otel_hicache.summary`; this module only prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import click
+
+from otel_hicache import __version__
+from otel_hicache import semconv as sc
+from otel_hicache.sdk import PROTOCOLS, ConfigError, TelemetrySetup, configure
+from otel_hicache.summary import Summary, summarize
+
+WRITE_POLICIES = [p.value for p in sc.WritePolicy]
+
+
+class ConfigProblem(click.ClickException):
+    """A bad flag value or ``OTEL_*`` variable: a clear message and exit status 2 (like a usage error)."""
+
+    exit_code = 2
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="otel-hicache")
+def main() -> None:
+    """OpenTelemetry traces and metrics for the tiered KV cache of LLM servers."""
+
+
+@main.command()
+@click.option("--requests", "requests", type=click.IntRange(min=1), help="Run this many requests (default 200).")
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), help="Run for this long instead.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed (same seed, same workload).")
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Where the L1 (device) pools live; auto picks CUDA when present.",
+)
+@click.option("--write-policy", type=click.Choice(WRITE_POLICIES), default="write_back", show_default=True)
+@click.option(
+    "--storage-dir",
+    type=click.Path(file_okay=False, writable=True),
+    help="Directory for the L3 file store (enables storage backup / prefetch).",
+)
+@click.option("--endpoint", help="OTLP endpoint, e.g. http://localhost:4317 (default: OTEL_EXPORTER_OTLP_ENDPOINT).")
+@click.option("--protocol", type=click.Choice(PROTOCOLS), help="OTLP protocol (default: OTEL_EXPORTER_OTLP_PROTOCOL).")
+@click.option("--service-name", help="service.name of the Resource (default: OTEL_SERVICE_NAME or otel-hicache).")
+@click.option("--prometheus-port", type=click.IntRange(0, 65535), help="Also serve a Prometheus scrape endpoint.")
+@click.option("--prometheus-host", default="127.0.0.1", show_default=True, help="Address the scrape endpoint binds.")
+@click.option(
+    "--linger",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Keep serving the Prometheus endpoint this many seconds after the run, so a scraper can read it.",
+)
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
+def demo(
+    requests: int | None,
+    seconds: float | None,
+    seed: int,
+    device: str,
+    write_policy: str,
+    storage_dir: str | None,
+    endpoint: str | None,
+    protocol: str | None,
+    service_name: str | None,
+    prometheus_port: int | None,
+    prometheus_host: str,
+    linger: float,
+    progress: bool | None,
+    as_json: bool,
+) -> None:
+    """Run the seeded demo workload through the reference tiered cache (real torch copies)."""
+    if requests is not None and seconds is not None:
+        raise click.UsageError("give either --requests or --seconds, not both")
+    if requests is None and seconds is None:
+        requests = 200
+    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        raise click.BadParameter(f"{endpoint!r} is not a URL; use e.g. http://localhost:4317", param_hint="--endpoint")
+    if linger and prometheus_port is None:
+        raise click.UsageError("--linger only applies with --prometheus-port")
+    torch_device = _pick_device(device)
+    try:
+        from otel_hicache.cache.demo import run_demo
+    except ImportError as exc:  # a broken install, not a user error
+        raise click.ClickException(f"the reference cache is not available: {exc}") from exc
+
+    try:
+        setup = configure(
+            service_name=service_name,
+            endpoint=endpoint,
+            protocol=protocol,
+            prometheus_port=prometheus_port,
+            prometheus_host=prometheus_host,
+            pools=tuple(_DEMO_POOLS),
+        )
+    except ConfigError as exc:
+        raise ConfigProblem(str(exc)) from None
+
+    with _sigterm_as_interrupt():
+        try:
+            started = time.monotonic()
+            with _progress_bar(requests, seconds, progress) as on_progress:
+                result = run_demo(
+                    setup.telemetry,
+                    requests=requests,
+                    seconds=seconds,
+                    seed=seed,
+                    device=torch_device,
+                    write_policy=write_policy,
+                    storage_dir=storage_dir,
+                    progress=on_progress,
+                )
+            elapsed = time.monotonic() - started
+            summary = summarize(setup)
+            if as_json:
+                click.echo(json.dumps(_jsonable(summary, result, elapsed, setup), indent=2, sort_keys=True))
+            else:
+                click.echo(render(summary, result=result, elapsed_s=elapsed, setup=setup))
+            if setup.prometheus_address is not None and linger > 0:
+                host, port = setup.prometheus_address
+                click.echo(f"Serving Prometheus metrics on http://{host}:{port}/metrics for {linger:g} s ...", err=True)
+                threading.Event().wait(linger)  # waiting for a scraper, not standing in for work
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        finally:
+            setup.shutdown()
+
+
+#: Pools the demo's cache uses, pre-seeded at 0 so every series exists from the first scrape.
+_DEMO_POOLS = ("kv", "mamba", "draft")
+
+
+def _pick_device(choice: str) -> str | None:
+    if choice == "auto":
+        return None
+    if choice == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigProblem("--device cuda: CUDA is not available here (use --device cpu or auto)")
+    return choice
+
+
+@contextmanager
+def _progress_bar(requests: int | None, seconds: float | None, enabled: bool | None) -> Iterator[Callable[[int], None]]:
+    """A tqdm bar fed with the number of requests done so far."""
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    disable = None if enabled is None else not enabled  # None: only on a terminal
+    desc = "demo" if seconds is None else f"demo ({seconds:g} s)"
+    with tqdm(total=requests, unit="req", desc=desc, disable=disable, file=sys.stderr, leave=False) as bar:
+
+        def update(done: int) -> None:
+            if done > bar.n:
+                bar.update(done - bar.n)
+
+        yield update
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """``docker stop`` sends SIGTERM: treat it like Ctrl-C so telemetry is flushed on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# --------------------------------------------------------------------------- printing
+def render(summary: Summary, *, result: Any = None, elapsed_s: float | None = None, setup: Any = None) -> str:
+    """The summary as plain-text tables a person can read at a glance."""
+    out: list[str] = []
+    if result is not None and hasattr(result, "requests") and hasattr(result, "wall_time_s"):
+        out.append(
+            f"otel-hicache demo: {_n(result.requests)} requests in {result.wall_time_s:.1f} s on "
+            f"{getattr(result, 'device', '?')}, {getattr(result, 'write_policy', '?')}"
+        )
+    else:
+        facts = _result_facts(result) + ([f"{elapsed_s:.1f} s"] if elapsed_s is not None else [])
+        out.append("otel-hicache demo: " + ", ".join(facts) if facts else "otel-hicache demo")
+    if setup is not None and getattr(setup, "mode", None) == "otlp":
+        out.append("Exported over OTLP; counters below are this process's exact totals.")
+
+    total = summary.prefill_total
+    out += ["", f"Prefix hits (share of {_n(total)} prefill tokens)"]
+    rates = summary.hit_rates
+    for tier, mode in (("device", "device_hit"), ("host", "host_hit"), ("storage", "storage_hit")):
+        out.append(f"  {tier:<9}{_pct(rates[tier]):>8}  {_n(summary.prefill_tokens.get(mode, 0)):>14} tokens")
+    computed = summary.prefill_tokens.get("input", 0)
+    out.append(f"  {'computed':<9}{_pct(computed / total if total else None):>8}  {_n(computed):>14} tokens")
+
+    out += ["", "Transfers by operation"]
+    rows: list[tuple[str, ...]] = [("operation", "tokens", "bytes", "timed", "copy time", "bandwidth", "p50", "p99")]
+    for operation in sc.TransferOperation:
+        tokens = sum(v for (o, _), v in summary.tokens.items() if o == operation.value)
+        nbytes = summary.bytes_by_operation.get(operation.value, 0)
+        d = summary.durations.get(operation.value)
+        bw = summary.bandwidth_bytes_per_s.get(operation.value)
+        rows.append(
+            (
+                operation.value,
+                _n(tokens),
+                _bytes(nbytes),
+                _n(d.count) if d else "-",
+                _secs(d.total_s) if d else "-",
+                f"{_bytes(bw)}/s" if bw is not None else "-",
+                _secs(d.p50_s) if d else "-",
+                _secs(d.p99_s) if d else "-",
+            )
+        )
+    out += _table(rows)
+    sources = sorted({d.source for d in summary.durations.values()})
+    if sources:
+        timing = sorted({t for d in summary.durations.values() for t in d.timing_sources})
+        out.append(
+            f"  (bandwidth = bytes / sum of copy durations, timed by {', '.join(timing)}; "
+            f"percentiles from {' and '.join(sources)})"
+        )
+
+    keys = sorted({k for k, v in summary.tokens.items() if v} | set(summary.bytes_by_pool))
+    if keys:
+        out += ["", "Tokens and bytes by operation and pool (sidecar pools move bytes on another pool's tokens)"]
+        rows = [("operation", "pool", "tokens", "bytes")]
+        for op, pool in keys:
+            split = summary.bytes_by_pool.get((op, pool))
+            tokens = summary.tokens.get((op, pool), 0)
+            rows.append((op, pool, _n(tokens), _bytes(split) if split is not None else "(total only)"))
+        out += _table(rows)
+
+    out += ["", f"Drops (device KV lost without a host copy): {_n(summary.dropped_total)} tokens"]
+    for (reason, pool), n in sorted(summary.drops.items()):
+        if n:
+            out.append(f"  {reason:<34}{pool:<10}{_n(n):>12} tokens")
+    failures = {k: v for k, v in summary.failures.items() if v}
+    if failures:
+        out.append("Failed transfers")
+        for (op, error), n in sorted(failures.items()):
+            out.append(f"  {op:<18}{error:<24}{_n(n):>8}")
+    evictions = ", ".join(f"{tier} {_n(n)} tokens" for tier, n in sorted(summary.evictions.items()))
+    out.append(f"Evictions: {evictions or 'none'}")
+
+    if summary.pools:
+        out += ["", "Pool usage at the end"]
+        rows = [("tier", "pool", "used", "limit", "used %")]
+        for p in summary.pools:
+            rows.append((p.tier, p.pool, _n(p.used), _n(p.limit), _pct(p.fraction_used)))
+        out += _table(rows)
+
+    pipe = summary.pipeline
+    out += [
+        "",
+        f"Telemetry: {_n(summary.spans_recorded)} spans recorded, {_n(pipe['rejected'])} records rejected, "
+        f"{_n(pipe['normalized'])} normalized, {_n(pipe['dropped_spans'])} spans dropped (queue full)",
+    ]
+    if setup is not None and getattr(setup, "prometheus_address", None):
+        host, port = setup.prometheus_address
+        out.append(f"Prometheus scrape endpoint: http://{host}:{port}/metrics")
+    out += [f"Note: {note}" for note in summary.notes]
+    return "\n".join(out)
+
+
+def _result_facts(result: Any) -> list[str]:
+    """Short ``name value`` facts from the demo's result object (whatever scalar fields it has)."""
+    if result is None:
+        return []
+    if dataclasses.is_dataclass(result):
+        fields = dataclasses.asdict(result)  # type: ignore[arg-type]  # an instance, not a class
+    elif hasattr(result, "_asdict"):
+        fields = result._asdict()
+    else:
+        return [str(result)]
+    facts = []
+    for name, value in fields.items():
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            facts.append(f"{name.replace('_', ' ')} {_n(value)}")
+        elif isinstance(value, float):
+            facts.append(f"{name.replace('_', ' ')} {value:.3g}")
+        elif isinstance(value, str):
+            facts.append(f"{name.replace('_', ' ')} {value}")
+    return facts
+
+
+def _jsonable(summary: Summary, result: Any, elapsed: float, setup: TelemetrySetup) -> dict[str, Any]:
+    def keyed(mapping: dict[Any, Any]) -> dict[str, Any]:
+        return {"/".join(map(str, k)) if isinstance(k, tuple) else str(k): v for k, v in mapping.items()}
+
+    def plain(v: Any) -> Any:
+        return dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+
+    body: dict[str, Any] = {}
+    for f in dataclasses.fields(summary):
+        value = getattr(summary, f.name)
+        if isinstance(value, dict):
+            value = keyed({k: plain(v) for k, v in value.items()})
+        elif isinstance(value, list):
+            value = [plain(v) for v in value]
+        body[f.name] = value
+    body["hit_rates"] = summary.hit_rates
+    body["elapsed_s"] = elapsed
+    body["mode"] = setup.mode
+    if result is not None and dataclasses.is_dataclass(result):
+        body["result"] = json.loads(json.dumps(dataclasses.asdict(result), default=str))  # type: ignore[arg-type]
+    return body
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  " + "  ".join(cells).rstrip())
+    return lines
+
+
+def _n(value: float) -> str:
+    return f"{int(value):,}"
+
+
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _secs(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 1:
+        return f"{value:.2f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.2f} ms"
+    return f"{value * 1e6:.0f} us"
+
+
+if __name__ == "__main__":  # python -m otel_hicache.cli
+    main()

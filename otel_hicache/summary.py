@@ -1,0 +1,282 @@
+"""What a run did, computed from the telemetry it produced: the numbers ``otel-hicache demo`` prints.
+
+:func:`summarize` reads the embedded set-up (:attr:`TelemetrySetup.metric_reader` and
+:attr:`TelemetrySetup.recent_spans`), so the summary shows exactly what an exporter would have sent. Where a run
+exported over OTLP instead (no in-process reader), the exact counters come from
+:meth:`HiCacheTelemetry.snapshot` and the duration figures are left out.
+
+    >>> from otel_hicache import configure, TransferRecord, TransferOperation, now_ns
+    >>> from otel_hicache.summary import summarize
+    >>> setup = configure()
+    >>> t0 = now_ns()
+    >>> setup.telemetry.record_transfer(TransferRecord(
+    ...     operation=TransferOperation.BACKUP, tokens_by_pool={"kv": 256}, num_bytes=1 << 20,
+    ...     submit_time_ns=t0, complete_time_ns=t0 + 2_000_000, copy_duration_s=0.001, timing_source="host_clock"))
+    >>> s = summarize(setup)
+    >>> s.bytes_by_operation["backup"], round(s.bandwidth_bytes_per_s["backup"])
+    (1048576, 1048576000)
+    >>> setup.shutdown()
+
+Definitions (the same as the dashboard's and the alert rules'):
+
+* **hit rate** of a tier: prefill tokens hit in that tier / all prefill tokens (computed + hit);
+* **L2 bandwidth** of an operation: its bytes / the sum of its copy durations (device-timed where CUDA events were
+  available, host clock otherwise). Bytes of transfers that had no timing are not in the numerator either when the
+  recorded spans cover the run; otherwise this is an upper bound;
+* **p50 / p99** copy duration: exact, from the recorded spans, when they cover every timed transfer of the
+  operation; otherwise estimated from the histogram buckets the way Prometheus's ``histogram_quantile`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, MetricsData
+
+from otel_hicache import semconv as sc
+from otel_hicache.sdk import TelemetrySetup
+
+_HIT_MODES = {
+    sc.Tier.DEVICE.value: sc.PrefillMode.DEVICE_HIT.value,
+    sc.Tier.HOST.value: sc.PrefillMode.HOST_HIT.value,
+    sc.Tier.STORAGE.value: sc.PrefillMode.STORAGE_HIT.value,
+}
+
+
+@dataclass(frozen=True)
+class DurationStats:
+    """Copy durations of one operation."""
+
+    count: int
+    total_s: float
+    p50_s: float | None
+    p99_s: float | None
+    source: str  # "spans" (exact) or "histogram" (bucket estimate)
+    timing_sources: tuple[str, ...] = ()  # how the copies were timed: cuda_event, host_clock
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    tier: str
+    pool: str
+    used: int
+    limit: int
+
+    @property
+    def fraction_used(self) -> float | None:
+        return self.used / self.limit if self.limit else None
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Everything :func:`summarize` computes. Mappings are keyed by semconv attribute values."""
+
+    prefill_tokens: dict[str, int]  # prefill mode -> tokens
+    tokens: dict[tuple[str, str], int]  # (operation, pool) -> tokens
+    bytes_by_operation: dict[str, int]  # operation -> bytes (all pools)
+    bytes_by_pool: dict[tuple[str, str], int]  # (operation, pool) -> bytes, where the producer split them
+    bandwidth_bytes_per_s: dict[str, float]  # operation -> bytes / copy seconds
+    durations: dict[str, DurationStats]  # operation -> copy durations
+    drops: dict[tuple[str, str], int]  # (reason, pool) -> tokens
+    failures: dict[tuple[str, str], int]  # (operation, error.type) -> transfers
+    evictions: dict[str, int]  # tier -> tokens
+    pools: list[PoolStats]
+    pipeline: dict[str, int]  # rejected / normalized / dropped_spans -> records
+    spans_recorded: int  # spans the embedded store received (0 when exporting elsewhere)
+    source: str  # "metric_reader" or "snapshot"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def prefill_total(self) -> int:
+        return sum(self.prefill_tokens.values())
+
+    @property
+    def hit_rates(self) -> dict[str, float | None]:
+        """Tier -> fraction of all prefill tokens that were hits in that tier (None before any prefill)."""
+        total = self.prefill_total
+        return {
+            tier: (self.prefill_tokens.get(mode, 0) / total if total else None) for tier, mode in _HIT_MODES.items()
+        }
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.drops.values())
+
+
+def summarize(setup: TelemetrySetup) -> Summary:
+    """Compute the :class:`Summary` of everything ``setup`` has recorded so far (flushes queued records first)."""
+    setup.telemetry.flush()
+    notes: list[str] = []
+    histograms: dict[str, list[HistogramDataPoint]] = {}
+    pools: list[PoolStats] = []
+    if setup.metric_reader is not None:
+        counters, histograms, pools = _read_metrics(setup.metric_reader.get_metrics_data())
+        source = "metric_reader"
+    else:
+        counters = {
+            name: {_strs(k): v for k, v in values.items()} for name, values in setup.telemetry.snapshot().items()
+        }
+        source = "snapshot"
+        notes.append("durations, bandwidth and pool usage are in the exporting backend, not in this process")
+
+    tokens = {(op, pool): v for (op, pool), v in _pairs(counters.get(sc.METRIC_TRANSFER_TOKENS, {})).items()}
+    bytes_by_operation: dict[str, int] = {}
+    bytes_by_pool: dict[tuple[str, str], int] = {}
+    for key, value in counters.get(sc.METRIC_TRANSFER_SIZE, {}).items():
+        op = key[0]
+        bytes_by_operation[op] = bytes_by_operation.get(op, 0) + value
+        if len(key) > 1 and key[1] is not None and value:
+            bytes_by_pool[(op, key[1])] = value
+
+    spans = setup.recent_spans.spans() if setup.recent_spans is not None else []
+    span_durations, span_bytes = _span_durations(spans)
+    durations: dict[str, DurationStats] = {}
+    bandwidth: dict[str, float] = {}
+    for op, points in histograms.items():
+        count = sum(p.count for p in points)
+        if not count:
+            continue
+        total_s = sum(p.sum for p in points)
+        exact = span_durations.get(op, [])
+        if len(exact) == count:  # the kept spans are every timed transfer: exact percentiles
+            stats = DurationStats(count, total_s, _percentile(exact, 0.5), _percentile(exact, 0.99), "spans")
+            timed_bytes = span_bytes.get(op, 0)
+        else:
+            merged = _merge_buckets(points)
+            stats = DurationStats(
+                count, total_s, _bucket_quantile(0.5, *merged), _bucket_quantile(0.99, *merged), "histogram"
+            )
+            timed_bytes = bytes_by_operation.get(op, 0)
+        timing = tuple(sorted({str((p.attributes or {}).get(sc.ATTR_TIMING_SOURCE)) for p in points if p.count}))
+        durations[op] = dataclasses.replace(stats, timing_sources=timing)
+        if total_s > 0:
+            bandwidth[op] = timed_bytes / total_s
+
+    pipeline = {
+        "rejected": sum(counters.get(sc.METRIC_RECORDS_REJECTED, {}).values()),
+        "normalized": sum(counters.get(sc.METRIC_RECORDS_NORMALIZED, {}).values()),
+        "dropped_spans": sum(counters.get(sc.METRIC_RECORDS_DROPPED, {}).values()),
+    }
+    return Summary(
+        prefill_tokens={k[0]: v for k, v in counters.get(sc.METRIC_PREFILL_TOKENS, {}).items()},
+        tokens=tokens,
+        bytes_by_operation=bytes_by_operation,
+        bytes_by_pool=bytes_by_pool,
+        bandwidth_bytes_per_s=bandwidth,
+        durations=durations,
+        drops=_pairs(counters.get(sc.METRIC_DROPPED_TOKENS, {})),
+        failures=_pairs(counters.get(sc.METRIC_TRANSFER_FAILURES, {})),
+        evictions={k[0]: v for k, v in counters.get(sc.METRIC_EVICTION_TOKENS, {}).items()},
+        pools=pools,
+        pipeline=pipeline,
+        spans_recorded=setup.recent_spans.total if setup.recent_spans is not None else 0,
+        source=source,
+        notes=notes,
+    )
+
+
+# --------------------------------------------------------------------------- reading the exported data
+_Counters = dict[str, dict[tuple[Any, ...], int]]
+
+#: The attribute keys that make up each counter's key, in order (the instrument's closed attribute set).
+_KEYS: dict[str, tuple[str, ...]] = {spec.name: spec.attributes for spec in sc.INSTRUMENTS}
+
+
+def _read_metrics(data: MetricsData | None) -> tuple[_Counters, dict[str, list[HistogramDataPoint]], list[PoolStats]]:
+    counters: _Counters = {}
+    histograms: dict[str, list[HistogramDataPoint]] = {}
+    usage: dict[tuple[str, str], dict[str, int]] = {}
+    limits: dict[tuple[str, str], int] = {}
+    for rm in data.resource_metrics if data is not None else ():
+        for sm in rm.scope_metrics:
+            if sm.scope.name != sc.INSTRUMENTATION_SCOPE:
+                continue
+            for metric in sm.metrics:
+                name, points = metric.name, list[Any](metric.data.data_points)
+                if name == sc.METRIC_TRANSFER_DURATION:
+                    for p in points:
+                        if isinstance(p, HistogramDataPoint):
+                            histograms.setdefault(str((p.attributes or {}).get(sc.ATTR_OPERATION)), []).append(p)
+                elif name == sc.METRIC_POOL_USAGE:
+                    for p in points:
+                        a = p.attributes or {}
+                        key = (str(a.get(sc.ATTR_TIER)), str(a.get(sc.ATTR_POOL)))
+                        usage.setdefault(key, {})[str(a.get(sc.ATTR_POOL_STATE))] = int(getattr(p, "value", 0))
+                elif name == sc.METRIC_POOL_LIMIT:
+                    for p in points:
+                        a = p.attributes or {}
+                        limits[(str(a.get(sc.ATTR_TIER)), str(a.get(sc.ATTR_POOL)))] = int(getattr(p, "value", 0))
+                elif name in _KEYS and metric.data.__class__.__name__ == "Sum":
+                    keys = _KEYS[name]
+                    values = counters.setdefault(name, {})
+                    for p in points:
+                        a = p.attributes or {}
+                        values[tuple(a.get(k) for k in keys)] = int(getattr(p, "value", 0))
+    pools = [
+        PoolStats(tier, pool, usage.get((tier, pool), {}).get(sc.PoolState.USED.value, 0), limit)
+        for (tier, pool), limit in sorted(limits.items())
+    ]
+    return counters, histograms, pools
+
+
+def _strs(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(None if part is None else str(part) for part in key)
+
+
+def _pairs(values: Mapping[tuple[Any, ...], int]) -> dict[tuple[str, str], int]:
+    return {(str(k[0]), str(k[1])): v for k, v in values.items() if len(k) >= 2}
+
+
+def _span_durations(spans: Iterable[Any]) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Copy durations and bytes of the timed transfer spans, per operation."""
+    durations: dict[str, list[float]] = {}
+    timed_bytes: dict[str, int] = {}
+    for span in spans:
+        attrs = span.attributes or {}
+        duration = attrs.get(sc.ATTR_COPY_DURATION)
+        op = attrs.get(sc.ATTR_OPERATION)
+        if duration is None or op is None:
+            continue
+        durations.setdefault(str(op), []).append(float(duration))
+        timed_bytes[str(op)] = timed_bytes.get(str(op), 0) + int(attrs.get(sc.ATTR_BYTES, 0))
+    return durations, timed_bytes
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (a value that occurred, never an interpolation)."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _merge_buckets(points: Sequence[HistogramDataPoint]) -> tuple[Sequence[float], list[int]]:
+    bounds = points[0].explicit_bounds
+    counts = [0] * (len(bounds) + 1)
+    for p in points:
+        if list(p.explicit_bounds) != list(bounds):  # Views give every series the same buckets; be safe anyway
+            continue
+        for i, c in enumerate(p.bucket_counts):
+            counts[i] += c
+    return bounds, counts
+
+
+def _bucket_quantile(q: float, bounds: Sequence[float], counts: Sequence[int]) -> float | None:
+    """``histogram_quantile`` semantics: linear interpolation inside the bucket holding the rank."""
+    total = sum(counts)
+    if not total:
+        return None
+    rank = q * total
+    seen = 0
+    for i, c in enumerate(counts):
+        if seen + c >= rank and c > 0:
+            if i == len(bounds):  # the +Inf bucket: the best statement is its lower bound
+                return float(bounds[-1])
+            lower = 0.0 if i == 0 else float(bounds[i - 1])
+            upper = float(bounds[i])
+            return lower + (upper - lower) * (rank - seen) / c
+        seen += c
+    return float(bounds[-1]) if bounds else None

@@ -1,0 +1,214 @@
+"""``otel-hicache demo``: the summary a person reads, clear errors for bad input, and OTLP delivery."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from click.testing import CliRunner, Result
+
+from otel_hicache import semconv as sc
+from otel_hicache.cli import main
+from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
+
+#: No OTEL_* from the developer's shell: the embedded default unless a test sets otherwise.
+CLEAN_ENV = {
+    "OTEL_EXPORTER_OTLP_ENDPOINT": None,
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": None,
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": None,
+    "OTEL_TRACES_EXPORTER": None,
+    "OTEL_METRICS_EXPORTER": None,
+    "OTEL_SDK_DISABLED": None,
+}
+
+
+def run(*args: str, env: dict[str, str | None] | None = None) -> Result:
+    return CliRunner().invoke(main, list(args), env={**CLEAN_ENV, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def summary_run() -> Result:
+    return run("demo", "--requests", "60", "--no-progress")
+
+
+def test_demo_prints_every_summary_section(summary_run: Result) -> None:
+    assert summary_run.exit_code == 0, summary_run.output
+    out = summary_run.output
+    assert out.startswith("otel-hicache demo: 60 requests in ")
+    for heading in (
+        "Prefix hits (share of",
+        "Transfers by operation",
+        "Tokens and bytes by operation and pool",
+        "Drops (device KV lost without a host copy)",
+        "Evictions: device",
+        "Telemetry: ",
+    ):
+        assert heading in out, heading
+    for tier in ("device", "host", "storage", "computed"):
+        assert any(line.split()[:1] == [tier] and line.strip().endswith("tokens") for line in out.splitlines()), tier
+    for op in sc.TransferOperation:
+        assert any(line.split()[:1] == [op.value] for line in out.splitlines()), op
+    assert "bandwidth = bytes / sum of copy durations, timed by " in out
+
+
+def test_json_summary_matches_the_demos_own_ground_truth() -> None:
+    """The summary is computed from the telemetry; the demo counts at the copy sites: they must agree."""
+    result = run("demo", "--requests", "60", "--no-progress", "--json")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.output)
+    truth = body["result"]
+    for op, by_pool in truth["copied_tokens"].items():
+        for pool, n in by_pool.items():
+            assert body["tokens"].get(f"{op}/{pool}", 0) == n, (op, pool)
+    for op, by_pool in truth["copied_bytes"].items():
+        assert body["bytes_by_operation"][op] == sum(by_pool.values()), op
+    assert body["prefill_tokens"] == truth["prefix_tokens"]
+    for reason, by_pool in truth["dropped_tokens_by_pool"].items():
+        for pool, n in by_pool.items():
+            assert body["drops"].get(f"{reason}/{pool}", 0) == n, (reason, pool)
+    assert body["evictions"] == truth["evicted_tokens"]
+    assert body["spans_recorded"] > 0 and body["pipeline"] == {"rejected": 0, "normalized": 0, "dropped_spans": 0}
+    backup = body["durations"]["backup"]
+    assert 0 < backup["p50_s"] <= backup["p99_s"]
+    assert body["bandwidth_bytes_per_s"]["backup"] > 0
+
+
+def test_seed_selects_the_workload() -> None:
+    """Same seed, same prompts (the hit split may differ: copies complete asynchronously); another seed, others."""
+
+    def prefill_total(seed: int) -> int:
+        result = run("demo", "--requests", "40", "--seed", str(seed), "--json")
+        assert result.exit_code == 0, result.output
+        return sum(json.loads(result.output)["prefill_tokens"].values())
+
+    assert prefill_total(7) == prefill_total(7) != prefill_total(8)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--requests", "0"], {}, "'--requests': 0 is not in the range"),
+        (["--seconds", "-1"], {}, "'--seconds'"),
+        (["--requests", "5", "--seconds", "1"], {}, "either --requests or --seconds"),
+        (["--protocol", "thrift"], {}, "'--protocol'"),
+        (["--endpoint", "localhost:4317"], {}, "is not a URL; use e.g. http://localhost:4317"),
+        (["--write-policy", "sometimes"], {}, "'--write-policy'"),
+        (["--prometheus-port", "70000"], {}, "'--prometheus-port'"),
+        (["--linger", "5"], {}, "--linger only applies with --prometheus-port"),
+        (["--requests", "5"], {"OTEL_TRACES_SAMPLER": "bogus"}, "OTEL_TRACES_SAMPLER='bogus' is not supported"),
+        (["--requests", "5"], {"OTEL_EXPORTER_OTLP_PROTOCOL": "udp"}, "OTEL_EXPORTER_OTLP_PROTOCOL='udp'"),
+        (["--requests", "5"], {"OTEL_METRIC_EXPORT_INTERVAL": "soon"}, "'soon' is not a number"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_exit_2_with_a_message_naming_the_problem(
+    args: list[str], env: dict[str, str], message: str
+) -> None:
+    result = run("demo", *args, env=env)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_cuda_requested_where_there_is_none_is_a_clear_error() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present")
+    result = run("demo", "--device", "cuda", "--requests", "5")
+    assert result.exit_code == 2
+    assert "CUDA is not available" in result.output
+
+
+def test_a_taken_prometheus_port_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        result = run("demo", "--requests", "5", "--prometheus-port", str(busy.getsockname()[1]))
+    assert result.exit_code == 2
+    assert "cannot serve Prometheus metrics on 127.0.0.1:" in result.output
+
+
+@pytest.mark.parametrize(("protocol", "endpoint"), [("grpc", "grpc_endpoint"), ("http/protobuf", "http_endpoint")])
+def test_endpoint_delivers_spans_and_metrics_to_an_otlp_receiver(protocol: str, endpoint: str) -> None:
+    with OtlpReceiver() as receiver:
+        result = run(
+            "demo", "--requests", "30", "--no-progress", "--json",
+            "--endpoint", getattr(receiver, endpoint), "--protocol", protocol, "--service-name", "cli-test",
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        body = json.loads(result.output)
+        assert body["mode"] == "otlp"
+        # shutdown flushed both signals before the command returned
+        spans = receiver.spans()
+        names = {s.name for s in spans}
+        assert {"hicache.backup", "hicache.load_back"} <= names
+        tokens = receiver.latest_metric(sc.METRIC_TRANSFER_TOKENS)
+        assert tokens is not None
+        received = {
+            (attributes(p.attributes)[sc.ATTR_OPERATION], attributes(p.attributes)[sc.ATTR_POOL]): p.as_int
+            for p in tokens.sum.data_points
+        }
+        truth = body["result"]["copied_tokens"]
+        assert received[("backup", "kv")] == truth["backup"]["kv"]
+        assert received[("load_back", "kv")] == truth["load_back"]["kv"]
+        resource = attributes(receiver.trace_requests[0].resource_spans[0].resource.attributes)
+        assert resource["service.name"] == "cli-test"
+
+
+def test_otlp_endpoint_from_the_standard_environment_variable() -> None:
+    with OtlpReceiver() as receiver:
+        result = run(
+            "demo", "--requests", "20", "--no-progress",
+            env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert "Exported over OTLP" in result.output
+        assert receiver.spans() and receiver.latest_metric(sc.METRIC_PREFILL_TOKENS) is not None
+
+
+def test_prometheus_port_serves_the_run_while_lingering() -> None:
+    """The installed console script, in its own process: the scrape endpoint stays up for --linger seconds."""
+    import shutil
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = shutil.which("otel-hicache") or f"{sys.executable} -m otel_hicache.cli"
+    command = [*script.split(), "demo", "--requests", "20", "--no-progress", "--prometheus-port", str(port),
+               "--linger", "30"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, text = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and "hicache_transfer_tokens_total" not in text:
+            assert process.poll() is None, process.communicate()
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                time.sleep(0.2)
+        # the run is over (summary printed) but the endpoint still answers with its final totals
+        deadline = time.monotonic() + 60
+        while "Serving Prometheus metrics" not in (line := process.stderr.readline()) and time.monotonic() < deadline:
+            assert line, "the CLI ended without lingering"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        assert 'hicache_transfer_tokens_total{hicache_operation="backup",hicache_pool="kv"' in text
+        assert "hicache_transfer_duration_seconds_bucket" in text
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+    assert process.returncode == 130  # SIGTERM ends the linger cleanly
+
+
+def test_progress_bar_counts_requests_on_stderr_and_stays_off_when_asked() -> None:
+    shown = CliRunner().invoke(main, ["demo", "--requests", "30", "--progress"], env=CLEAN_ENV)
+    assert shown.exit_code == 0
+    assert "/30 [" in shown.stderr and "req/s" in shown.stderr
+    assert "req/s" not in shown.stdout  # the summary on stdout stays clean for pipes
+    hidden = CliRunner().invoke(main, ["demo", "--requests", "30", "--no-progress"], env=CLEAN_ENV)
+    assert "req/s" not in hidden.stderr
