@@ -40,3 +40,14 @@ def test_readme_maps_every_sglang_series() -> None:
     text = README.read_text()
     for sglang, ours in sc.SGLANG_SERIES:
         assert f"`{sglang}`" in text and f"`{ours}`" in text, sglang
+
+
+def test_readme_python_examples_run() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks
+    for block in blocks:
+        namespace: dict[str, object] = {}
+        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - our own README
+        setup = namespace.get("setup")
+        if setup is not None:
+            setup.shutdown()  # type: ignore[attr-defined]
