@@ -47,7 +47,7 @@ def test_readme_python_examples_run() -> None:
     assert blocks
     for block in blocks:
         namespace: dict[str, object] = {}
-        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - our own README
+        exec(compile(block, str(README), "exec"), namespace)
         setup = namespace.get("setup")
         if setup is not None:
             setup.shutdown()  # type: ignore[attr-defined]

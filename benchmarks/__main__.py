@@ -1,0 +1,101 @@
+"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,all} ... [--smoke] [--device cpu|cuda] ...``
+
+Prints one markdown table per benchmark (plus the machine line); ``--markdown FILE`` / ``--json FILE`` also write
+them. Exits 1 when a correctness check (ground truth, accounting) failed; never because of a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from benchmarks._common import Table, dump_json, machine_line
+
+NAMES = ("hotpath", "loop", "transfer", "soak", "sglang")
+
+
+def _command(args: argparse.Namespace, name: str) -> str:
+    parts = ["python -m benchmarks", name]
+    if args.smoke:
+        parts.append("--smoke")
+    if args.device != "cpu":
+        parts += ["--device", args.device]
+    if name == "soak" and args.soak_seconds is not None:
+        parts += ["--soak-seconds", f"{args.soak_seconds:g}"]
+    if name == "soak" and args.soak_rate is not None:
+        parts += ["--soak-rate", f"{args.soak_rate:g}"]
+    return " ".join(parts)
+
+
+def _runner(name: str, args: argparse.Namespace) -> Callable[[], Table | None]:
+    command = _command(args, name)
+    if name == "hotpath":
+        from benchmarks import hotpath
+
+        return lambda: hotpath.run(hotpath.Params.smoke() if args.smoke else hotpath.Params(), args.device, command)
+    if name == "loop":
+        from benchmarks import loop
+
+        return lambda: loop.run(loop.Params.smoke() if args.smoke else loop.Params(), args.device, command)
+    if name == "soak":
+        from benchmarks import soak
+
+        params = soak.Params.smoke() if args.smoke else soak.Params()
+        if args.soak_seconds is not None:
+            params.seconds = args.soak_seconds
+        if args.soak_rate is not None:
+            params.rate = args.soak_rate
+        return lambda: soak.run(params, args.device, command)
+    if name == "transfer":
+        from benchmarks import transfer
+
+        return lambda: transfer.run(transfer.Params.smoke() if args.smoke else transfer.Params(), args.device, command)
+    from benchmarks import sglang_path
+
+    return lambda: sglang_path.run(args.smoke, command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
+    parser.add_argument("benchmark", nargs="+", choices=(*NAMES, "all"), help="which to run ('all': every one)")
+    parser.add_argument("--smoke", action="store_true", help="tiny iteration counts: checks that it runs (CI)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the tensors and events live")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the tables to FILE")
+    parser.add_argument("--json", metavar="FILE", help="also write the raw numbers to FILE")
+    parser.add_argument("--soak-seconds", type=float, default=None, help="paced phase of the soak (default 120)")
+    parser.add_argument("--soak-rate", type=float, default=None, help="paced transfers per second (default 2000)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+
+    names = NAMES if "all" in args.benchmark else tuple(dict.fromkeys(args.benchmark))
+    header = f"Machine: {machine_line()}\n"
+    print(header, flush=True)
+    tables: list[Table] = []
+    for name in names:
+        t0 = time.monotonic()
+        table = _runner(name, args)()
+        if table is None:
+            continue
+        table.notes.append(f"Ran in {time.monotonic() - t0:.1f} s.")
+        tables.append(table)
+        print(table.markdown(), flush=True)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(header + "\n" + "\n".join(t.markdown() for t in tables))
+    if args.json:
+        dump_json(tables, args.json)
+    failed = [f"{t.key}: {k}" for t in tables for k, ok in t.checks.items() if not ok]
+    if failed:
+        print("FAILED checks:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Item 1: the cost of reporting one merged transfer on the scheduler thread, per reporting path, in one process.
+
+Every path runs the same synthetic ``writing_check`` / ``loading_check`` (see :mod:`benchmarks.ackpath`); only the
+metrics collector differs. Repetitions are interleaved (each repetition runs every path once, in a rotating order)
+so drift and noise hit all paths alike.
+
+Measured per batch of acks (the batch is the timed unit; per-ack figures are the batch total / batch size):
+
+* calling-thread CPU: ``time.thread_time_ns()`` around the batch (excludes the background worker, the exporter and
+  GIL waits);
+* calling-thread wall: ``time.perf_counter_ns()`` around the same batch (includes GIL waits caused by other
+  threads);
+* total process CPU: ``time.process_time_ns()`` from the block's start until its spans were created and exported
+  (``flush``), all threads together, divided by the block's acks. The OTLP receiver runs in a child process, so
+  its decoding is not counted (as with a real Collector).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from benchmarks._collector import CollectorProcess
+from benchmarks._common import Table, median, percentile
+from benchmarks.ackpath import (
+    BACKUP,
+    LOAD_BACK,
+    EventPool,
+    NaiveOtelReporter,
+    OtelHiCacheReporter,
+    PrometheusReporter,
+    Reporter,
+    SyntheticAckPath,
+)
+from otel_hicache import semconv as sc
+from otel_hicache.sdk import TelemetrySetup, configure
+
+BYTES_PER_TOKEN = 131_072  # Llama-3-8B bf16 KV: 32 layers x 8 kv heads x 128 dim x 2 (K, V) x 2 bytes
+
+
+@dataclass
+class Params:
+    reps: int = 40
+    batches_per_block: int = 20
+    batch: int = 32
+
+    @classmethod
+    def smoke(cls) -> Params:
+        return cls(reps=2, batches_per_block=2, batch=8)
+
+
+@dataclass
+class _Path:
+    name: str
+    reporter: Reporter | None
+    flush: Callable[[], None] = lambda: None
+    cpu: list[float] = field(default_factory=list)  # calling-thread CPU ns per ack, one value per batch
+    wall: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)  # process CPU ns per ack, one value per block
+    tokens: dict[str, int] = field(default_factory=lambda: {BACKUP.value: 0, LOAD_BACK.value: 0})
+
+
+def _flusher(setup: TelemetrySetup, telemetry: bool) -> Callable[[], None]:
+    def flush() -> None:
+        if telemetry:
+            setup.telemetry.flush()
+        setup.tracer_provider.force_flush()  # type: ignore[attr-defined]
+
+    return flush
+
+
+def run(params: Params, device: str = "cpu", command: str = "") -> Table:
+    rng = random.Random(6)
+    events = EventPool(device)
+    collector = CollectorProcess()
+    otlp = configure(endpoint=collector.grpc_endpoint, protocol="grpc", service_name="bench-hotpath")
+    embedded = configure(service_name="bench-hotpath-embedded")
+    prom = PrometheusReporter()
+    paths = [
+        _Path("uninstrumented", None),
+        _Path("prometheus_client (SGLang today)", prom),
+        _Path("naive OTel SDK, OTLP", NaiveOtelReporter(otlp.tracer_provider, otlp.meter_provider),
+              _flusher(otlp, False)),
+        _Path("otel_hicache, OTLP", OtelHiCacheReporter(otlp.telemetry, events.source), _flusher(otlp, True)),
+        _Path("naive OTel SDK, embedded", NaiveOtelReporter(embedded.tracer_provider, embedded.meter_provider),
+              _flusher(embedded, False)),
+        _Path("otel_hicache, embedded", OtelHiCacheReporter(embedded.telemetry, events.source),
+              _flusher(embedded, True)),
+    ]  # fmt: skip
+    try:
+        # warm-up: first calls build label children, series, the worker thread, the gRPC channel
+        for path in paths:
+            _block(path, SyntheticAckPath(path.reporter, events), rng, 2, params.batch, record=False)
+        for rep in range(params.reps):
+            order = paths[rep % len(paths) :] + paths[: rep % len(paths)]
+            for path in order:
+                _block(path, SyntheticAckPath(path.reporter, events), rng, params.batches_per_block, params.batch)
+        checks = _ground_truth(paths, prom, otlp, embedded)
+    finally:
+        otlp.shutdown()
+        embedded.shutdown()
+        collector.close()
+    return _table(paths, params, device, checks, command)
+
+
+def _block(path: _Path, ack_path: SyntheticAckPath, rng: random.Random, batches: int, batch: int,
+           record: bool = True) -> None:  # fmt: skip
+    thread_ns, perf_ns, process_ns = time.thread_time_ns, time.perf_counter_ns, time.process_time_ns
+    p0 = process_ns()
+    for i in range(batches):
+        op = BACKUP if i % 2 == 0 else LOAD_BACK
+        for _ in range(batch):  # submission is not timed: only the completion check reports
+            tokens = 64 * rng.randint(1, 8)
+            ack_path.submit(op, {"kv": tokens}, tokens * BYTES_PER_TOKEN)
+            path.tokens[op.value] += tokens
+        check = ack_path.writing_check if op is BACKUP else ack_path.loading_check
+        c0, w0 = thread_ns(), perf_ns()
+        check(batch)
+        w1, c1 = perf_ns(), thread_ns()
+        if record:
+            path.cpu.append((c1 - c0) / batch)
+            path.wall.append((w1 - w0) / batch)
+    path.flush()
+    if record:
+        path.total.append((process_ns() - p0) / (batches * batch))
+
+
+def _ground_truth(paths: list[_Path], prom: PrometheusReporter, otlp: TelemetrySetup,
+                  embedded: TelemetrySetup) -> dict[str, bool]:  # fmt: skip
+    by_name = {p.name: p for p in paths}
+    checks: dict[str, bool] = {}
+    truth = by_name["prometheus_client (SGLang today)"].tokens
+    checks["prometheus_client tokens == ground truth"] = all(
+        prom.total(op, "tokens") == truth[op.value] for op in (BACKUP, LOAD_BACK)
+    )
+    for label, setup in (("OTLP", otlp), ("embedded", embedded)):
+        truth = by_name[f"otel_hicache, {label}"].tokens
+        snap = setup.telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS]
+        checks[f"otel_hicache {label} tokens == ground truth"] = all(
+            snap.get((op.value, "kv"), 0) == truth[op.value] for op in (BACKUP, LOAD_BACK)
+        )
+    return checks
+
+
+def _table(paths: list[_Path], params: Params, device: str, checks: dict[str, bool], command: str) -> Table:
+    base = paths[0]
+    prom = paths[1]
+    base_cpu, base_total = median(base.cpu), median(base.total)
+    prom_added = median(prom.cpu) - base_cpu
+    table = Table(
+        key="hotpath",
+        title=f"1. Reporting cost per merged transfer on the scheduler thread (synthetic writing_check, {device})",
+        columns=[
+            "path", "thread CPU/ack p50 (ns)", "p99 (ns)", "added p50 (ns)", "x prometheus_client",
+            "wall/ack p50 (ns)", "wall p99 (ns)", "total CPU/ack incl. background (ns)", "added total (ns)",
+        ],
+        command=command,
+        checks=checks,
+    )  # fmt: skip
+    for p in paths:
+        added = median(p.cpu) - base_cpu
+        ratio = added / prom_added if prom_added > 0 else float("nan")
+        table.rows.append([
+            p.name, median(p.cpu), percentile(p.cpu, 99), added, "-" if p is base else ratio,
+            median(p.wall), percentile(p.wall, 99), median(p.total), median(p.total) - base_total,
+        ])  # fmt: skip
+        table.data[p.name] = {
+            "cpu_p50": median(p.cpu), "cpu_p99": percentile(p.cpu, 99), "added_cpu_p50": added,
+            "ratio_vs_prometheus": ratio, "wall_p50": median(p.wall), "wall_p99": percentile(p.wall, 99),
+            "total_cpu_p50": median(p.total), "added_total_cpu_p50": median(p.total) - base_total,
+        }  # fmt: skip
+    hicache = table.data["otel_hicache, OTLP"]
+    table.data["goal_met"] = bool(hicache["ratio_vs_prometheus"] <= 0.5)
+    table.notes += [
+        f"{params.reps} interleaved repetitions x {params.batches_per_block} batches x {params.batch} acks per path; "
+        "batches alternate backup (writing_check) and load_back (loading_check); one {'kv': 64..512 tokens} ack, "
+        f"bytes = tokens x {BYTES_PER_TOKEN}; timing on ({'CUDA events' if device == 'cuda' else 'host clock'}).",
+        "thread CPU = time.thread_time_ns() around each batch / batch size; wall = time.perf_counter_ns() around "
+        "the same batch; p50/p99 are over batches. 'added' = path minus uninstrumented; 'x prometheus_client' = "
+        "added thread CPU / prometheus_client's added thread CPU (goal for otel_hicache: <= 0.5).",
+        "total CPU = time.process_time_ns() over a block of acks plus the flush that creates and exports its spans "
+        "(all threads of this process; the OTLP receiver is a child process), per ack, median over blocks. "
+        "Metric export (every 60 s by default) is per interval, not per ack, and is not included.",
+        "embedded = configure() with no endpoint: in-memory metric reader, spans to a bounded in-process buffer "
+        "(SimpleSpanProcessor). OTLP = gRPC exporters with BatchSpanProcessor to a receiver in a child process.",
+        f"Goal otel_hicache (OTLP) <= 0.5x prometheus_client added thread CPU: "
+        f"{'met' if table.data['goal_met'] else 'NOT met'} ({hicache['ratio_vs_prometheus']:.2f}x).",
+    ]
+    return table

@@ -1,0 +1,109 @@
+"""The benchmarks run end to end in smoke mode (tiny iteration counts) and their correctness checks hold.
+
+Benchmarks are not timed tests: nothing here compares a timing with a bound. What is asserted: every table is
+printed and written, its numbers are sane (finite, non-negative where they are times or rates), and every
+ground-truth / accounting check the benchmark made passed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(tmp_path: Path, *names: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path / "results.json"
+    md = tmp_path / "results.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", *names, "--smoke", "--json", str(out), "--markdown", str(md)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    tables = {t["key"]: t for t in json.loads(out.read_text())["tables"]}
+    assert md.read_text().count("### ") == len(tables)
+    return proc, tables
+
+
+def _sane(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    proc, tables = _run(tmp_path_factory.mktemp("bench"), "hotpath", "loop", "transfer", "soak")
+    return proc.stdout, tables
+
+
+def test_every_table_is_printed_with_the_machine_and_its_command(smoke: tuple[str, dict[str, Any]]) -> None:
+    stdout, tables = smoke
+    assert stdout.startswith("Machine: ")
+    assert set(tables) == {"hotpath", "loop", "transfer", "soak"}
+    for table in tables.values():
+        assert f"### {table['title']}" in stdout
+        assert table["command"].startswith("python -m benchmarks ") and table["command"].endswith("--smoke")
+        assert table["rows"] and all(len(row) == len(table["columns"]) for row in table["rows"])
+
+
+def test_every_correctness_check_passed(smoke: tuple[str, dict[str, Any]]) -> None:
+    _, tables = smoke
+    checks = {f"{key}: {name}": ok for key, t in tables.items() for name, ok in t["checks"].items()}
+    assert len(checks) >= 12
+    assert all(checks.values()), [name for name, ok in checks.items() if not ok]
+
+
+def test_hot_path_measures_all_six_paths_with_sane_numbers(smoke: tuple[str, dict[str, Any]]) -> None:
+    data = smoke[1]["hotpath"]["data"]
+    paths = [k for k in data if k != "goal_met"]
+    assert len(paths) == 6
+    assert {"uninstrumented", "prometheus_client (SGLang today)", "otel_hicache, OTLP"} <= set(paths)
+    for name in paths:
+        for field in ("cpu_p50", "cpu_p99", "wall_p50", "wall_p99", "total_cpu_p50"):
+            assert _sane(data[name][field]), (name, field, data[name][field])
+        assert data[name]["cpu_p99"] >= data[name]["cpu_p50"]
+    assert math.isfinite(data["otel_hicache, OTLP"]["ratio_vs_prometheus"])
+
+
+def test_loop_steps_are_timed_and_every_span_arrives(smoke: tuple[str, dict[str, Any]]) -> None:
+    data = smoke[1]["loop"]["data"]
+    for name in ("instrumentation off", "prometheus_client (SGLang today)", "naive OTel SDK, OTLP",
+                 "otel_hicache, OTLP"):  # fmt: skip
+        assert data[name]["steps"] > 0 and _sane(data[name]["p50_ns"]) and data[name]["p50_ns"] > 0
+    assert data["spans_sent"] > 0 and data["spans_received"] == data["spans_sent"]
+
+
+def test_transfer_bandwidths_are_positive(smoke: tuple[str, dict[str, Any]]) -> None:
+    data = smoke[1]["transfer"]["data"]
+    for direction in ("D->H backup", "H->D load back"):
+        for field in ("controller_gbps", "raw_gbps", "ratio", "reported_gbps", "reported_vs_wall"):
+            assert _sane(data[direction][field]) and data[direction][field] > 0
+
+
+def test_soak_counts_every_transfer_and_samples_memory(smoke: tuple[str, dict[str, Any]]) -> None:
+    data = smoke[1]["soak"]["data"]
+    assert data["transfers"] > 0 and data["paced_rate"] > 0 and data["burst_rate"] > 0
+    accounted = data["spans_received"] + data["records_dropped"] + data["sdk_lost"]
+    assert accounted >= data["transfers"] >= data["spans_received"] + data["records_dropped"]
+
+
+def test_cli_rejects_an_unknown_benchmark() -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "nosuch"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+@pytest.mark.sglang
+def test_real_sglang_ack_path_smoke(tmp_path: Path) -> None:
+    pytest.importorskip("sglang")
+    _, tables = _run(tmp_path, "sglang")
+    table = tables["sglang"]
+    assert all(table["checks"].values()), table["checks"]
+    assert len(table["rows"]) == 4
+    for name, values in table["data"].items():
+        assert _sane(values["check_p50"]) and values["check_p50"] > 0, name
