@@ -11,7 +11,9 @@
 #   sglang imports torchvision at import time (configs -> multimodal utils), torchvision 0.28 (the 2.13 pair) is
 #   a CUDA build whose operators fail to register against the CPU torch, and a stand-in torchvision module would be
 #   a fake in every test run. The real pinned pair needs no stand-in.
-# - otel-hicache goes in last, editable, with torch pinned again so pip never changes it.
+# - otel-hicache goes in last, editable, with torch pinned again so pip never changes it. Its test extra brings
+#   opentelemetry-distro: without a configurator `opentelemetry-instrument` loads instrumentors but sets up no SDK
+#   (tests/sglang/test_auto_instrumentation.py runs the real CLI).
 #
 # Usage: scripts/setup-sglang-venv.sh [VENV_DIR]   (default: <repo>/.venv-sglang)
 set -euo pipefail
@@ -47,7 +49,7 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
 "${PIP[@]}" "${SGLANG_RUNTIME_DEPS[@]}" "$TORCH_SPEC" "$TORCHVISION_SPEC"
 # The project itself with its test extras; pinning torch again keeps pip from "upgrading" it.
-"${PIP[@]}" -e "$ROOT[test]" "$TORCH_SPEC" "$TORCHVISION_SPEC"
+"${PIP[@]}" -e "$ROOT[test]" "opentelemetry-distro>=0.66b0" "$TORCH_SPEC" "$TORCHVISION_SPEC"
 
 "$VENV/bin/python" -c "import sglang, torch; print('setup-sglang-venv: sglang', sglang.__version__, 'torch', torch.__version__)"
 echo "$WANT" >"$STAMP"

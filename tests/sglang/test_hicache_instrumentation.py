@@ -323,7 +323,7 @@ def test_a_failing_wrapper_logs_once_and_sglang_runs_unchanged(
 
 
 def test_stat_logger_classes_send_sglang_series_over_otel_without_the_hicache_ones(
-    cpu_sglang: None, otel: Otel
+    cpu_sglang: None, otel: Otel, prometheus_collector: Any
 ) -> None:
     from sglang.srt.observability.metrics_collector import StorageMetricsCollector
 
@@ -331,7 +331,7 @@ def test_stat_logger_classes_send_sglang_series_over_otel_without_the_hicache_on
 
     roles = build_otel_stat_loggers(meter_provider=otel.meter_provider)
     assert set(roles) == {"scheduler", "storage", "radix_cache"}
-    storage = roles["storage"](labels={"storage_backend": "file"})
+    storage = prometheus_collector(roles["storage"], labels={"storage_backend": "file"})
     assert isinstance(storage, StorageMetricsCollector)
     storage.log_storage_prefetch_hit_tokens(64)
     storage.log_backuped_tokens(32)  # a HiCache series the instrumentor's wrappers already export
@@ -349,3 +349,31 @@ def test_stat_logger_classes_send_sglang_series_over_otel_without_the_hicache_on
     }
     assert points["sglang.storage_prefetch_hit_tokens"] == [(labels, 64)]
     assert not any("backuped_tokens" in name for name in points)
+
+
+def test_acks_queued_before_instrumenting_are_reported_once_consumed(
+    cpu_sglang: None, otel: Otel, sglang_metrics: Any
+) -> None:
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+
+    before = sglang_values()
+    tree = Tree("write_through", sglang_metrics)
+    tree.insert(SEQ_A)
+    tree.cache.flush_pending_backups()  # this ack was submitted with no instrumentation: no submission time known
+    assert len(tree.cc.ack_write_queue) == 1
+    instrumentor = SGLangHiCacheInstrumentor()
+    instrumentor.instrument(telemetry=otel.telemetry, stat_loggers=False)
+    try:
+        tree.insert(SEQ_B)
+        tree.step()  # consumes the unknown ack and the one submitted while instrumented
+        tree.insert(list(range(200, 210)))
+        tree.step()  # the queue is mirrored again: the fast path
+    finally:
+        instrumentor.uninstrument()
+
+    assert delta(sglang_values(), before)["backup_kv"] == otel_values(otel)["backup_kv"] == 20 + 30 + 10
+    spans = sorted(otel.spans("hicache.backup"), key=lambda s: s.attributes[sc.ATTR_TOKENS])
+    assert [s.attributes[sc.ATTR_TOKENS] for s in spans] == [10, 20, 30]
+    unknown = spans[1]  # SEQ_A's ack: its span starts when it was seen complete
+    assert unknown.start_time == unknown.end_time
+    assert all(s.start_time < s.end_time for s in (spans[0], spans[2]))

@@ -4,8 +4,12 @@ Zero-code: the instrumentor is registered in the ``opentelemetry_instrumentor`` 
 
     opentelemetry-instrument python -m sglang.launch_server --enable-hierarchical-cache ...
 
-instruments every SGLang process (spawned scheduler processes inherit the auto-instrumentation). One line in code
-does the same::
+instruments every SGLang process (spawned scheduler processes inherit the auto-instrumentation).
+``opentelemetry-instrument`` only loads instrumentors; the SDK (providers and exporters from ``OTEL_*`` variables) is
+set up by a configurator, so install ``opentelemetry-distro`` next to it (``pip install opentelemetry-distro``; it
+defaults to OTLP, e.g. ``OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317``). Without a distro no SDK is configured and
+the telemetry goes to the no-op global providers. Spans still queued at interpreter exit are handed to the SDK before it
+shuts down. Auto-instrumenting a process without SGLang does nothing, silently. One line in code does the same::
 
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
     SGLangHiCacheInstrumentor().instrument()            # or (tracer_provider=..., meter_provider=...)
@@ -41,15 +45,24 @@ attribute and the ``hicache.transfer.duration`` histogram. No device synchronisa
 SGLang's own ``sglang:*`` series also flow over OTel through its ``stat_loggers`` hook (``scheduler``, ``storage``,
 ``radix_cache`` roles; see :mod:`.stat_loggers`); the HiCache series above are not exported twice.
 
-Agreement with SGLang's prometheus collectors (checked by ``tests/sglang``): backup and load-back tokens per pool
-and bytes, dropped tokens per reason, prefill tokens per mode and evicted tokens are equal. Known differences:
-``hicache.*`` values are counted even when SGLang runs without ``--enable-metrics``; a hybrid prefetch that SGLang
-discards after it arrived is still a completed ``storage_prefetch`` transfer here; L3 bytes are the KV pool's
+Agreement with SGLang's own collectors, checked by ``tests/sglang`` on SGLang's real classes: backup and load-back
+tokens per pool (``kv`` and, on an SWA hybrid cache, ``swa``) and bytes; dropped tokens per reason
+(``write_through_unbacked_eviction`` only under exactly ``write_through``, ``host_pressure`` under ``write_back``);
+evicted tokens; prefill tokens per mode for a real ``PrefillAdder`` admitting device, host and L3 hits (equal to
+``sglang:prefill_effective_tokens_total``); L3 backup / prefetch tokens through the file backend (equal to
+``sglang:backuped_tokens_total`` / ``sglang:prefetched_tokens_total``, bytes equal to what lands on disk). Known
+differences: ``hicache.*`` values are counted even when SGLang runs without ``--enable-metrics``; a hybrid prefetch that
+SGLang discards after it arrived is still a completed ``storage_prefetch`` transfer here; L3 bytes are the KV pool's
 tokens times its bytes per token (0 where the host pool is a group that does not state a size).
 
-Failure rules: a missing or unsupported SGLang gives one warning and no patching; a missing method skips only its
-signal (one warning); a wrapper whose own code fails logs once and SGLang runs unchanged. ``uninstrument()``
-restores every patched attribute to the original object; ``instrument()`` twice wraps nothing twice.
+Cost on the scheduler thread: the wrappers keep a mirror of each controller's ack queues (SGLang appends acks and
+consumes them from the front), so a check finds the consumed acks without copying the queue;
+``tests/sglang/bench_ack_cost.py`` measures the cost per ack against SGLang's own prometheus metrics.
+
+Failure rules: a missing or unsupported SGLang gives one warning and no patching (the version check runs even under
+``skip_dep_check``, which ``opentelemetry-instrument`` passes: the wrappers rely on 0.5.23's shapes); a missing method
+skips only its signal (one warning); a wrapper whose own code fails logs once and SGLang runs unchanged.
+``uninstrument()`` restores every patched attribute to the original object; ``instrument()`` twice wraps nothing twice.
 """
 
 from otel_hicache.integrations.sglang.instrumentor import TARGETS, SGLangHiCacheInstrumentor

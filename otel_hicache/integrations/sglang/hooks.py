@@ -34,17 +34,20 @@ _WRITE = "write"
 _LOAD = "load"
 _SUBMIT_HOOK = {_WRITE: "start_writing", _LOAD: "start_loading"}
 _CHECK_HOOK = {_WRITE: "writing_check", _LOAD: "loading_check"}
-_Pending = tuple[Any, int, int]  # (ack, submit_time_ns, merged_ops)
+_Pending = tuple[Any, "int | None", int]  # (ack, submit_time_ns or None when unknown, merged_ops)
 
 
 class _ControllerState:
-    """The acks one controller submitted that SGLang has not consumed yet, in submission order, by ``id(ack)``."""
+    """One controller's ack queues as we saw them submitted: ``write`` / ``load`` list, in order, the acks of
+    ``ack_write_queue`` / ``ack_load_queue``. SGLang appends acks at the end and consumes them from the front
+    (FIFO, or all at once), so while the mirror holds, the acks a check consumed are simply its first
+    ``len(mirror) - len(queue)`` entries: no copy of the queue and no identity set per check."""
 
     __slots__ = ("load", "write")
 
     def __init__(self) -> None:
-        self.write: dict[int, _Pending] = {}
-        self.load: dict[int, _Pending] = {}
+        self.write: list[_Pending] = []
+        self.load: list[_Pending] = []
 
 
 class HiCacheHooks:
@@ -52,9 +55,12 @@ class HiCacheHooks:
 
     def __init__(self, telemetry: HiCacheTelemetry) -> None:
         self.telemetry = telemetry
+        # Per-controller state lives on the controller itself (one attribute read per hook call); the weak
+        # dictionary is only the fallback for a controller that takes no new attributes.
+        self._attr = f"_otel_hicache_acks_{id(self):x}"
         self._states: weakref.WeakKeyDictionary[Any, _ControllerState] = weakref.WeakKeyDictionary()
         self._failed: set[str] = set()
-        self._lock = threading.Lock()  # guards the WeakKeyDictionary's structure (storage threads also read it)
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ failure rule
     def _fail(self, hook: str) -> None:
@@ -69,10 +75,17 @@ class HiCacheHooks:
         )
 
     def _state(self, controller: Any) -> _ControllerState:
-        state = self._states.get(controller)
-        if state is None:
-            with self._lock:
-                state = self._states.setdefault(controller, _ControllerState())
+        state = getattr(controller, self._attr, None)
+        if state is not None:
+            return state
+        with self._lock:
+            state = self._states.get(controller)
+            if state is None:
+                state = _ControllerState()
+                try:
+                    setattr(controller, self._attr, state)
+                except (AttributeError, TypeError):  # __slots__ or a frozen object
+                    self._states[controller] = state
         return state
 
     # ------------------------------------------------------------------ submission: HiCacheController
@@ -89,29 +102,30 @@ class HiCacheHooks:
             else:
                 acks, merged = cc.ack_load_queue, len(cc.load_queue)
             n_acks = len(acks)
-            submit_ns = now_ns()
+            submit_ns = now_ns() if merged else 0
         except Exception:
             self._fail(_SUBMIT_HOOK[direction])
             return wrapped(*args, **kwargs)
         result = wrapped(*args, **kwargs)
-        try:
-            if merged and len(acks) > n_acks:  # one merged op became one ack, appended last
-                ack = acks[-1]
-                state = self._state(cc)
-                pending = state.write if direction is _WRITE else state.load
-                pending[id(ack)] = (ack, submit_ns, merged)
-                if len(pending) > MAX_PENDING:
-                    del pending[next(iter(pending))]
-        except Exception:
-            self._fail(_SUBMIT_HOOK[direction])
+        if merged:
+            try:
+                if len(acks) > n_acks:  # one merged op became one ack, appended last
+                    state = self._state(cc)
+                    mirror = state.write if direction is _WRITE else state.load
+                    mirror.append((acks[-1], submit_ns, merged))
+                    if len(mirror) > MAX_PENDING:
+                        del mirror[0]  # the mirror no longer matches; the next check resynchronises
+            except Exception:
+                self._fail(_SUBMIT_HOOK[direction])
         return result
 
     def reset(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``HiCacheController.reset`` clears the ack queues: forget their acks, they were never consumed."""
         result = wrapped(*args, **kwargs)
         try:
-            with self._lock:
-                self._states.pop(instance, None)
+            state = self._state(instance)
+            state.write.clear()
+            state.load.clear()
         except Exception:
             self._fail("reset")
         return result
@@ -128,57 +142,78 @@ class HiCacheHooks:
             cc = cache.cache_controller
             if cc is None:
                 return wrapped(*args, **kwargs)
-            acks = cc.ack_write_queue if direction is _WRITE else cc.ack_load_queue
-            before = acks[:] if acks else ()
+            state = self._state(cc)
+            if direction is _WRITE:
+                acks, mirror = cc.ack_write_queue, state.write
+            else:
+                acks, mirror = cc.ack_load_queue, state.load
+            n = len(acks)
+            before = None  # the mirror matches the queue: nothing to copy
+            if len(mirror) != n or (n and (mirror[0][0] is not acks[0] or mirror[-1][0] is not acks[-1])):
+                before = (acks[:], len(mirror))  # acks we did not see submitted: the careful path
         except Exception:
             self._fail(_CHECK_HOOK[direction])
             return wrapped(*args, **kwargs)
         result = wrapped(*args, **kwargs)
         try:
-            self._reap(cc, acks, before, direction)
+            if before is None:
+                consumed = len(mirror) - len(acks)  # acks submitted during the check (write-back) are in both
+                if consumed > 0:
+                    if acks and mirror[consumed][0] is not acks[0]:  # not FIFO after all: go by identity
+                        self._resync(cc, acks, mirror, [entry[0] for entry in mirror], len(mirror), direction)
+                    else:
+                        done = mirror[:consumed]
+                        del mirror[:consumed]
+                        self._emit_all(cc, done, direction)
+            else:
+                self._resync(cc, acks, mirror, *before, direction)
         except Exception:
             self._fail(_CHECK_HOOK[direction])
         return result
 
-    def _reap(self, cc: Any, acks: list, before: Any, direction: str) -> None:
-        """Report every ack SGLang consumed during the check (it is gone from the queue), oldest first."""
-        state = self._states.get(cc)
-        pending = None if state is None else (state.write if direction is _WRITE else state.load)
-        if not before and not pending:
-            return
-        live = {id(a) for a in acks} if acks else set()
-        done_ns = now_ns()
-        operation = TransferOperation.BACKUP if direction is _WRITE else TransferOperation.LOAD_BACK
-        # Acks queued before instrumentation have no submission time: their span starts at completion.
+    def _resync(self, cc: Any, acks: list, mirror: list, before: list, mirrored: int, direction: str) -> None:
+        """Report the acks of ``before`` (and those submitted during the check) that left the queue, by identity,
+        then rebuild the mirror from the queue. Acks queued before instrumentation have no submission time."""
+        live = {id(a) for a in acks}
+        known = {id(entry[0]): entry for entry in mirror}
+        done: list[_Pending] = []
         for ack in before:
-            key = id(ack)
-            if key not in live and (pending is None or key not in pending):
-                self._emit(cc, ack, done_ns, done_ns, 1, operation)
-        if pending:
-            for key in [k for k in pending if k not in live]:
-                ack, submit_ns, merged = pending.pop(key)
-                self._emit(cc, ack, submit_ns, done_ns, merged, operation)
+            if id(ack) not in live:
+                done.append(known.pop(id(ack), None) or (ack, None, 1))
+        for entry in mirror[mirrored:]:  # submitted during the check: not in ``before``
+            if id(entry[0]) not in live and id(entry[0]) in known:
+                done.append(known.pop(id(entry[0])))
+        mirror[:] = [known.get(id(a)) or (a, None, 1) for a in acks]
+        self._emit_all(cc, done, direction)
 
-    def _emit(self, cc: Any, ack: Any, submit_ns: int, done_ns: int, merged: int, op: TransferOperation) -> None:
-        duration = None
-        if ack.timing_enabled:  # the ack is consumed, so its finish event is complete: no sync here
-            duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
-        self.telemetry.record_transfer(
-            TransferRecord(
-                op,
-                ack.num_tokens_by_pool or {},
-                ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
-                submit_ns,
-                done_ns,
-                duration,
-                TimingSource.CUDA_EVENT if duration is not None else TimingSource.NONE,
-                merged,
-                len(ack.node_ids),
-                None,
-                cc.write_policy if op is TransferOperation.BACKUP else None,
-                cc.io_backend or None,
+    def _emit_all(self, cc: Any, done: list[_Pending], direction: str) -> None:
+        done_ns = now_ns()
+        if direction is _WRITE:
+            operation, policy = TransferOperation.BACKUP, cc.write_policy
+        else:
+            operation, policy = TransferOperation.LOAD_BACK, None
+        io_backend = cc.io_backend or None
+        record = self.telemetry.record_transfer
+        for ack, submit_ns, merged in done:
+            duration = None
+            if ack.timing_enabled:  # the ack is consumed, so its finish event is complete: no sync here
+                duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
+            record(
+                TransferRecord(
+                    operation,
+                    ack.num_tokens_by_pool or {},
+                    ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
+                    done_ns if submit_ns is None else submit_ns,
+                    done_ns,
+                    duration,
+                    TimingSource.NONE if duration is None else TimingSource.CUDA_EVENT,
+                    merged,
+                    len(ack.node_ids),
+                    None,
+                    policy,
+                    io_backend,
+                )
             )
-        )
 
     # ------------------------------------------------------------------ eviction and drops: UnifiedRadixCache
     def evict(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

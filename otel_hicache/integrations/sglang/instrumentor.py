@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 from collections.abc import Collection
@@ -90,18 +91,25 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):
         return self._telemetry
 
     def instrument(self, **kwargs: Any) -> Any:
-        """Patch SGLang; a missing or unsupported SGLang gives one warning and patches nothing."""
-        if not self.is_instrumented_by_opentelemetry and not kwargs.get("skip_dep_check", False):
+        """Patch SGLang; a missing or unsupported SGLang gives one warning and patches nothing.
+
+        The SGLang version check always runs, also under ``skip_dep_check`` (what ``opentelemetry-instrument``
+        passes): the wrappers rely on 0.5.23's shapes. Auto-instrumenting a process without SGLang is silent.
+        """
+        if not self.is_instrumented_by_opentelemetry:
             conflict = self._check_dependency_conflicts()
             if conflict is not None:
-                _warn_once(
-                    "dependency",
-                    "otel_hicache: SGLang HiCache is not instrumented: %s (this instrumentation supports %s).",
-                    _describe_conflict(conflict),
-                    ", ".join(_INSTRUMENTS),
-                )
+                if getattr(conflict, "found", None) is None and kwargs.get("skip_dep_check", False):
+                    _log.debug("otel_hicache: SGLang is not installed; nothing to instrument.")
+                else:
+                    _warn_once(
+                        "dependency",
+                        "otel_hicache: SGLang HiCache is not instrumented: %s (this instrumentation supports %s).",
+                        _describe_conflict(conflict),
+                        ", ".join(_INSTRUMENTS),
+                    )
                 return None
-            kwargs["skip_dep_check"] = True
+        kwargs["skip_dep_check"] = True
         return super().instrument(**kwargs)
 
     def _instrument(self, **kwargs: Any) -> None:
@@ -113,6 +121,11 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):
             _warn_once("import", "otel_hicache: SGLang HiCache is not instrumented: importing SGLang failed (%r).", exc)
             return
         hooks = HiCacheHooks(self._sink(kwargs))
+        if not getattr(self, "_flush_registered", False):
+            # Spans wait in the telemetry queue for its worker; hand them to the SDK before the SDK's own exit
+            # handlers (registered earlier, so run later) shut the providers down.
+            atexit.register(self._flush_at_exit)
+            self._flush_registered = True
         missing = []
         for target, owner in targets:
             if owner is None or target.attribute not in vars(owner):
@@ -148,6 +161,13 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):
                 self._telemetry.flush()
         except Exception:
             _log.debug("otel_hicache: flushing on uninstrument failed", exc_info=True)
+
+    def _flush_at_exit(self) -> None:
+        try:
+            if self._telemetry is not None:
+                self._telemetry.flush()
+        except Exception:
+            _log.debug("otel_hicache: flushing at exit failed", exc_info=True)
 
     def _sink(self, kwargs: dict[str, Any]) -> HiCacheTelemetry:
         """The telemetry to report through; one per provider pair, kept across uninstrument/instrument cycles so

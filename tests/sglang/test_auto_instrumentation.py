@@ -1,0 +1,77 @@
+"""Zero-code: ``opentelemetry-instrument`` alone brings HiCache spans and metrics out of an unmodified program.
+
+The program (autoinstrumented_app.py) runs SGLang's real cache on a CPU in a subprocess; opentelemetry-distro's
+configurator sets up the SDK with OTLP exporters from the environment, our ``opentelemetry_instrumentor`` entry point
+patches SGLang, and the data must arrive at an OTLP receiver running in this test process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from otel_hicache import semconv as sc
+from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
+
+pytestmark = pytest.mark.sglang
+
+APP = Path(__file__).with_name("autoinstrumented_app.py")
+INSTRUMENT = Path(sys.executable).with_name("opentelemetry-instrument")
+TOKENS = 20  # what the app backs up and loads back
+
+
+def test_our_instrumentor_is_registered_for_opentelemetry_instrument() -> None:
+    (entry,) = [e for e in entry_points(group="opentelemetry_instrumentor") if e.name == "sglang_hicache"]
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+
+    assert entry.load() is SGLangHiCacheInstrumentor
+
+
+@pytest.mark.skipif(not INSTRUMENT.exists(), reason="opentelemetry-instrument is not installed in this venv")
+@pytest.mark.skipif(importlib.util.find_spec("opentelemetry.distro") is None, reason="needs opentelemetry-distro")
+def test_opentelemetry_instrument_exports_hicache_spans_and_metrics_over_otlp(cpu_sglang: None) -> None:
+    with OtlpReceiver() as receiver:
+        env = {
+            **os.environ,
+            "OTEL_SERVICE_NAME": "sglang-hicache-app",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_METRICS_EXPORTER": "otlp",
+            "OTEL_LOGS_EXPORTER": "none",
+            "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+        }
+        run = subprocess.run(
+            [str(INSTRUMENT), sys.executable, str(APP)], env=env, capture_output=True, text=True, timeout=240
+        )
+        assert run.returncode == 0, run.stderr[-4000:]
+        assert "round trip ok" in run.stdout
+
+        # Both exporters flush at interpreter exit, so everything has arrived once the process is gone.
+        spans = {span.name: span for span in receiver.spans()}
+        tokens = receiver.latest_metric(sc.METRIC_TRANSFER_TOKENS)
+        size = receiver.latest_metric(sc.METRIC_TRANSFER_SIZE)
+
+    for op in (sc.TransferOperation.BACKUP, sc.TransferOperation.LOAD_BACK):
+        span = spans[sc.SPAN_NAMES[op]]
+        attrs = attributes(span.attributes)
+        assert attrs[sc.ATTR_TOKENS] == TOKENS
+        assert attrs[f"{sc.ATTR_TOKENS}.kv"] == TOKENS
+        assert attrs[sc.ATTR_BYTES] > 0
+
+    assert tokens is not None and size is not None, "no hicache metrics arrived"
+    by_op = {
+        (attributes(p.attributes)[sc.ATTR_OPERATION], attributes(p.attributes)[sc.ATTR_POOL]): p.as_int
+        for p in tokens.sum.data_points
+    }
+    assert {k: v for k, v in by_op.items() if v} == {("backup", "kv"): TOKENS, ("load_back", "kv"): TOKENS}
+    sizes = {attributes(p.attributes)[sc.ATTR_OPERATION]: p.as_int for p in size.sum.data_points}
+    assert sizes["backup"] == sizes["load_back"] == attrs[sc.ATTR_BYTES]
