@@ -8,6 +8,9 @@ Cost model (the scheduler thread is latency-critical):
   and the record is appended to a bounded queue. No SDK call, no allocation beyond the queue slot, no device sync.
 * Counters are *observable* instruments whose callbacks read the accumulators at collection time, so they are
   exact whatever the trace sampler decides and whatever happens to the queue.
+* Tighter still, :meth:`HiCacheTelemetry.record_transfer_deferred` only appends ``(build, payload)`` on the calling
+  thread; building and counting the record happen on the worker, and every collection settles what is pending
+  first, so counters are exact whenever they are read. The SGLang instrumentor uses it for each consumed ack.
 * A background worker drains the queue: it records histogram points (inside the span's context, so exemplars link
   to the trace) and creates one span per merged transfer with the record's explicit timestamps.
 * Nothing raises into the caller: a malformed record is refused with a one-time warning and counted in
@@ -88,14 +91,21 @@ def _duration(value: Any) -> float:
 class _Accumulator:
     """Plain integer sums per attribute key, read by an observable instrument's callback."""
 
-    __slots__ = ("_attributes", "_to_attributes", "values")
+    __slots__ = ("_attributes", "_settle", "_to_attributes", "values")
 
-    def __init__(self, to_attributes: Callable[[Any], dict[str, str]], seed: Iterable[_Key] = ()) -> None:
+    def __init__(
+        self,
+        to_attributes: Callable[[Any], dict[str, str]],
+        settle: Callable[[], None],
+        seed: Iterable[_Key] = (),
+    ) -> None:
         self.values: dict[_Key, int] = dict.fromkeys(seed, 0)
         self._attributes: dict[_Key, dict[str, str]] = {}
         self._to_attributes = to_attributes
+        self._settle = settle  # counts deferred records first, so a collection is always exact
 
     def observe(self, _options: CallbackOptions) -> list[Observation]:
+        self._settle()
         out = []
         for key, value in list(self.values.items()):
             attrs = self._attributes.get(key)
@@ -141,19 +151,23 @@ class HiCacheTelemetry:
 
         seeded_pools = [self._pool_name(p, "config") for p in pools]
         op_pool = [(op, p) for op in TransferOperation for p in seeded_pools]
-        self._tokens = _Accumulator(lambda k: {sc.ATTR_OPERATION: k[0].value, sc.ATTR_POOL: k[1]}, op_pool)
-        self._bytes = _Accumulator(_size_attributes, op_pool)
-        self._failures = _Accumulator(lambda k: {sc.ATTR_OPERATION: k[0].value, sc.ATTR_ERROR_TYPE: k[1]})
+        self._deferred: collections.deque[tuple[Callable[[Any], TransferRecord], Any]] = collections.deque()
+        self._settle_lock = threading.RLock()
+        settle = self._settle
+        self._tokens = _Accumulator(lambda k: {sc.ATTR_OPERATION: k[0].value, sc.ATTR_POOL: k[1]}, settle, op_pool)
+        self._bytes = _Accumulator(_size_attributes, settle, op_pool)
+        self._failures = _Accumulator(lambda k: {sc.ATTR_OPERATION: k[0].value, sc.ATTR_ERROR_TYPE: k[1]}, settle)
         self._dropped = _Accumulator(
             lambda k: {sc.ATTR_DROP_REASON: k[0].value, sc.ATTR_POOL: k[1]},
+            settle,
             [(r, p) for r in DropReason for p in seeded_pools],
         )
-        self._evicted = _Accumulator(lambda k: {sc.ATTR_TIER: k.value}, (Tier.DEVICE, Tier.HOST))
-        self._prefill = _Accumulator(lambda k: {sc.ATTR_PREFILL_MODE: k.value}, PrefillMode)
+        self._evicted = _Accumulator(lambda k: {sc.ATTR_TIER: k.value}, settle, (Tier.DEVICE, Tier.HOST))
+        self._prefill = _Accumulator(lambda k: {sc.ATTR_PREFILL_MODE: k.value}, settle, PrefillMode)
         self_attrs = lambda k: {sc.ATTR_RECORD_KIND: k[0], sc.ATTR_PROBLEM: k[1]}  # noqa: E731
-        self._rejected = _Accumulator(self_attrs)
-        self._normalized = _Accumulator(self_attrs)
-        self._queue_dropped = _Accumulator(lambda k: {sc.ATTR_RECORD_KIND: k})
+        self._rejected = _Accumulator(self_attrs, settle)
+        self._normalized = _Accumulator(self_attrs, settle)
+        self._queue_dropped = _Accumulator(lambda k: {sc.ATTR_RECORD_KIND: k}, settle)
 
         specs = {s.name: s for s in sc.INSTRUMENTS}
         for name, acc in (
@@ -248,6 +262,22 @@ class HiCacheTelemetry:
         except Exception:
             self._reject("transfer", "malformed")
 
+    def record_transfer_deferred(self, build: Callable[[Any], TransferRecord], payload: Any) -> None:
+        """Hand over the makings of a transfer record; ``build(payload)`` runs later, off the calling thread.
+
+        For the tightest hot paths (an engine's ack loop): the calling thread only appends ``(build, payload)`` to
+        a queue. The worker builds the record and counts it; every metric collection, :meth:`snapshot` and
+        :meth:`flush` settle the queue first, so counters read anywhere are exact. ``payload`` must not change
+        after the call (an SGLang ``HiCacheAck`` is immutable). A ``build`` that raises or returns something that
+        is not a record is counted in ``otel_hicache.records.rejected``. Never raises.
+        """
+        deferred = self._deferred
+        deferred.append((build, payload))
+        if self._worker is None:
+            self._start_worker()
+        elif len(deferred) >= self._max_queue:  # the worker is far behind: count on this thread, lose nothing
+            self._settle()
+
     def record_failure(self, failure: TransferFailure) -> None:
         """Count a transfer that could not be issued or completed. Never raises."""
         try:
@@ -327,6 +357,7 @@ class HiCacheTelemetry:
     # ------------------------------------------------------------------ lifecycle
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Create every queued span and histogram point now (on the calling thread). True if the queue emptied."""
+        self._settle()
         if not self._drain_lock.acquire(timeout=timeout_s):
             return False
         try:
@@ -346,6 +377,7 @@ class HiCacheTelemetry:
 
     def snapshot(self) -> dict[str, dict[tuple[Any, ...], int]]:
         """The cumulative counter values by metric name and attribute values (a consistent, cheap copy)."""
+        self._settle()
         with self._lock:
             return {
                 name: {_key_tuple(k): v for k, v in acc.values.items()}
@@ -429,15 +461,33 @@ class HiCacheTelemetry:
         self._worker = None
         self._lock = threading.Lock()
         self._drain_lock = threading.Lock()
+        self._settle_lock = threading.RLock()
         self._wake = threading.Event()
         self._queue.clear()
+        self._deferred.clear()
 
     def _run(self) -> None:
         while not self._stopped:
             self._wake.wait(self._flush_interval_s)
             self._wake.clear()
+            self._settle()
             with self._drain_lock:
                 self._drain()
+
+    def _settle(self) -> None:
+        """Build and count every deferred record, oldest first (any thread; one at a time)."""
+        deferred = self._deferred
+        if not deferred:
+            return
+        with self._settle_lock:
+            while deferred:
+                build, payload = deferred.popleft()
+                try:
+                    record = build(payload)
+                except Exception:
+                    self._reject("transfer", "build_failed")
+                    continue
+                self.record_transfer(record)
 
     def _drain(self) -> None:
         queue = self._queue

@@ -363,3 +363,66 @@ def test_links_accept_remote_span_contexts(sdk: Sdk) -> None:
     sdk.telemetry.record_transfer(backup(links=(remote,)))
     (span,) = sdk.finished_spans()
     assert span.links[0].context.trace_id == 0x1234
+
+
+class TestDeferredRecords:
+    """record_transfer_deferred: the calling thread only queues; every read of the counters is still exact."""
+
+    @staticmethod
+    def build(payload: tuple[int, int]) -> TransferRecord:
+        tokens, num_bytes = payload
+        return backup({"kv": tokens}, num_bytes)
+
+    def test_counters_are_exact_at_collection_without_any_flush(self) -> None:
+        sdk = make_sdk(flush_interval_s=3600)  # the worker will not run before we read
+        for i in range(10):
+            sdk.telemetry.record_transfer_deferred(self.build, (i, 100))
+        reader_value = {
+            frozenset(p.attributes.items()): p.value
+            for m in sdk.reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics
+            if m.name == sc.METRIC_TRANSFER_TOKENS
+            for p in m.data.data_points
+        }
+        assert reader_value[frozenset(op_pool("backup", "kv").items())] == 45
+        assert sdk.telemetry.snapshot()[sc.METRIC_TRANSFER_SIZE][("backup", None)] == 1000
+        assert len(sdk.finished_spans()) == 10
+
+    def test_the_calling_thread_does_not_build_the_record(self) -> None:
+        import threading
+        import time
+
+        builders: list[str] = []
+
+        def build(payload: int) -> TransferRecord:
+            builders.append(threading.current_thread().name)
+            return backup({"kv": payload})
+
+        sdk = make_sdk(flush_interval_s=0.01)
+        scheduler = threading.Thread(target=sdk.telemetry.record_transfer_deferred, args=(build, 3), name="scheduler")
+        scheduler.start()
+        scheduler.join()
+        deadline = time.monotonic() + 5
+        while not builders and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert builders == ["otel-hicache-telemetry"]
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 3
+        sdk.telemetry.shutdown()
+
+    def test_a_failing_or_bogus_builder_is_rejected_and_counted(self, sdk: Sdk) -> None:
+        def explode(_: object) -> TransferRecord:
+            raise KeyError("num_tokens_by_pool")
+
+        sdk.telemetry.record_transfer_deferred(explode, None)
+        sdk.telemetry.record_transfer_deferred(lambda _: "not a record", None)  # type: ignore[arg-type,return-value]
+        sdk.telemetry.record_transfer_deferred(self.build, (5, 10))
+        rejected = {dict(k)[sc.ATTR_PROBLEM]: p.value for k, p in sdk.points(sc.METRIC_RECORDS_REJECTED).items()}
+        assert rejected == {"build_failed": 1, "malformed": 1}
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 5
+
+    def test_a_worker_far_behind_makes_the_caller_count_instead_of_losing_records(self) -> None:
+        sdk = make_sdk(max_queue=4, flush_interval_s=3600)
+        sdk.telemetry.record_transfer(backup())  # starts the (sleeping) worker
+        for _ in range(9):
+            sdk.telemetry.record_transfer_deferred(self.build, (1, 1))
+        assert len(sdk.telemetry._deferred) < 4
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 16 + 9

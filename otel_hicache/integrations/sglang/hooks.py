@@ -138,6 +138,8 @@ class HiCacheHooks:
         return self._check(wrapped, instance, args, kwargs, _LOAD)
 
     def _check(self, wrapped: Callable[..., Any], cache: Any, args: tuple, kwargs: dict, direction: str) -> Any:
+        if not args and kwargs.get("finish_count", 1) == 0 and not kwargs.get("write_back"):
+            return wrapped(**kwargs)  # the scheduler's step with no completed ack consumes nothing: no bookkeeping
         try:
             cc = cache.cache_controller
             if cc is None:
@@ -187,33 +189,16 @@ class HiCacheHooks:
         self._emit_all(cc, done, direction)
 
     def _emit_all(self, cc: Any, done: list[_Pending], direction: str) -> None:
+        """Queue each consumed ack for the telemetry worker: on this (scheduler) thread only an append per ack."""
         done_ns = now_ns()
         if direction is _WRITE:
             operation, policy = TransferOperation.BACKUP, cc.write_policy
         else:
             operation, policy = TransferOperation.LOAD_BACK, None
         io_backend = cc.io_backend or None
-        record = self.telemetry.record_transfer
+        defer = self.telemetry.record_transfer_deferred
         for ack, submit_ns, merged in done:
-            duration = None
-            if ack.timing_enabled:  # the ack is consumed, so its finish event is complete: no sync here
-                duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
-            record(
-                TransferRecord(
-                    operation,
-                    ack.num_tokens_by_pool or {},
-                    ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
-                    done_ns if submit_ns is None else submit_ns,
-                    done_ns,
-                    duration,
-                    TimingSource.NONE if duration is None else TimingSource.CUDA_EVENT,
-                    merged,
-                    len(ack.node_ids),
-                    None,
-                    policy,
-                    io_backend,
-                )
-            )
+            defer(_ack_record, (ack, submit_ns, done_ns, merged, operation, policy, io_backend))
 
     # ------------------------------------------------------------------ eviction and drops: UnifiedRadixCache
     def evict(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -373,3 +358,25 @@ def _size_per_token(pool: Any) -> int:
     """Bytes per token of a host pool; 0 where the pool does not say (a pool group)."""
     size = getattr(pool, "size_per_token", 0)
     return size if isinstance(size, int) and size > 0 else 0
+
+
+def _ack_record(payload: tuple[Any, int | None, int, int, TransferOperation, str | None, str | None]) -> TransferRecord:
+    """One consumed ``HiCacheAck`` as a transfer record (runs on the telemetry worker, off the scheduler thread)."""
+    ack, submit_ns, done_ns, merged, operation, policy, io_backend = payload
+    duration = None
+    if ack.timing_enabled:  # the ack was consumed, so its finish event is complete: no sync here
+        duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
+    return TransferRecord(
+        operation,
+        ack.num_tokens_by_pool or {},
+        ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
+        done_ns if submit_ns is None else submit_ns,
+        done_ns,
+        duration,
+        TimingSource.NONE if duration is None else TimingSource.CUDA_EVENT,
+        merged,
+        len(ack.node_ids),
+        None,
+        policy,
+        io_backend,
+    )
