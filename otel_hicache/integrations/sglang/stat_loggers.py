@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -64,7 +65,7 @@ def otel_name(prometheus_name: str, counter: bool = False) -> str:
     return name
 
 
-class _Metric:
+class _Metric(ABC):
     """prometheus_client's API surface (``labels`` + the kind's update method) over both backends."""
 
     _kind = ""
@@ -77,11 +78,13 @@ class _Metric:
             self._otel = self._instrument(name, documentation or "", **kwargs)
         self._attributes: dict[str, str] = {}
 
+    @abstractmethod
     def _prometheus(self, name: str, documentation: str, labelnames: Sequence[str], **kwargs: Any) -> Any:
-        raise NotImplementedError
+        """SGLang's own prometheus_client metric of this kind."""
 
+    @abstractmethod
     def _instrument(self, name: str, description: str, **kwargs: Any) -> Any:
-        raise NotImplementedError
+        """The OTel instrument of this kind."""
 
     def labels(self, *values: Any, **labels: Any) -> _Metric:
         child = object.__new__(type(self))
