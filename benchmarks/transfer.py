@@ -64,6 +64,13 @@ class _Series:
     reported: list[float] = field(default_factory=list)  # telemetry: bytes delta / duration-sum delta
     reported_vs_wall: list[float] = field(default_factory=list)
 
+    def add_controller(self, nbytes: int, wall: float, reported_bytes: int, reported_seconds: float) -> None:
+        """One controller transfer: its wall-clock bandwidth and what the telemetry reported for it."""
+        reported = reported_bytes / reported_seconds
+        self.controller.append(nbytes / wall)
+        self.reported.append(reported)
+        self.reported_vs_wall.append(reported / (nbytes / wall))
+
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """Page runs consecutive on both sides (written here independently of the controller's own)."""
@@ -74,6 +81,19 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
         else:
             out.append((s, d, 1))
     return out
+
+
+def _raw_copies(
+    clock: _Clock, dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]], size: int, n_slots: int
+) -> tuple[float, float]:
+    """Wall time of the same page runs copied with ``Tensor.copy_`` only, then of one contiguous copy as large."""
+    t0 = clock.start()
+    for s, d, n in runs:
+        dst[:, d * size : (d + n) * size].copy_(src[:, s * size : (s + n) * size], non_blocking=True)
+    wall_raw = clock.stop(t0)
+    t0 = clock.start()
+    dst[:, :n_slots].copy_(src[:, :n_slots], non_blocking=True)
+    return wall_raw, clock.stop(t0)
 
 
 class _Clock:
@@ -163,19 +183,10 @@ def run(params: Params, device: str = "cpu", command: str = "") -> Table:
             verified &= bool(torch.equal(h_buf[:, dst_pages[0] * size : (dst_pages[0] + 1) * size].cpu(),
                                          d_buf[:, src_pages[0] * size : (src_pages[0] + 1) * size].cpu()))  # fmt: skip
             if record:
-                backup.controller.append(expected_bytes / wall)
-                backup.reported.append((b1 - b0) / (s1 - s0))
-                backup.reported_vs_wall.append(((b1 - b0) / (s1 - s0)) / (expected_bytes / wall))
+                backup.add_controller(expected_bytes, wall, b1 - b0, s1 - s0)
             # --- raw copies of the same runs, then one contiguous copy of the same size
-            runs = _runs(src_pages, dst_pages)
-            t0 = clock.start()
-            for s, d, n in runs:
-                h_buf[:, d * size : (d + n) * size].copy_(d_buf[:, s * size : (s + n) * size], non_blocking=True)
-            wall_raw = clock.stop(t0)
             n_slots = len(src_pages) * size
-            t0 = clock.start()
-            h_buf[:, :n_slots].copy_(d_buf[:, :n_slots], non_blocking=True)
-            wall_contig = clock.stop(t0)
+            wall_raw, wall_contig = _raw_copies(clock, h_buf, d_buf, _runs(src_pages, dst_pages), size, n_slots)
             if record:
                 backup.raw_runs.append(expected_bytes / wall_raw)
                 backup.contiguous.append(expected_bytes / wall_contig)
@@ -190,17 +201,8 @@ def run(params: Params, device: str = "cpu", command: str = "") -> Table:
             bytes_ok &= b1 - b0 == expected_bytes
             load_dst = [p for v in loaded if v is not None for p in v["kv"]]
             if record:
-                load.controller.append(expected_bytes / wall)
-                load.reported.append((b1 - b0) / (s1 - s0))
-                load.reported_vs_wall.append(((b1 - b0) / (s1 - s0)) / (expected_bytes / wall))
-            runs = _runs(dst_pages, load_dst)
-            t0 = clock.start()
-            for s, d, n in runs:
-                d_buf[:, d * size : (d + n) * size].copy_(h_buf[:, s * size : (s + n) * size], non_blocking=True)
-            wall_raw = clock.stop(t0)
-            t0 = clock.start()
-            d_buf[:, :n_slots].copy_(h_buf[:, :n_slots], non_blocking=True)
-            wall_contig = clock.stop(t0)
+                load.add_controller(expected_bytes, wall, b1 - b0, s1 - s0)
+            wall_raw, wall_contig = _raw_copies(clock, d_buf, h_buf, _runs(dst_pages, load_dst), size, n_slots)
             if record:
                 load.raw_runs.append(expected_bytes / wall_raw)
                 load.contiguous.append(expected_bytes / wall_contig)
