@@ -23,14 +23,19 @@ failures: ``otel.sdk.*``) are turned on unless ``OTEL_PYTHON_SDK_INTERNAL_METRIC
 
 from __future__ import annotations
 
+import atexit
 import collections
+import functools
+import logging
 import os
 import socket
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
@@ -52,9 +57,13 @@ from opentelemetry.sdk.trace.export import (
 )
 
 from otel_hicache import semconv as sc
+from otel_hicache.channel import Channel
+from otel_hicache.export_process import ExportProcess
 from otel_hicache.telemetry import HiCacheTelemetry
 
 DEFAULT_SERVICE_NAME = "otel-hicache"
+#: The most ``TelemetrySetup.shutdown()`` (and the exit of a process that never called it) takes by default.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 2.0
 DEFAULT_CARDINALITY_LIMIT = 2000
 PROTOCOLS = ("grpc", "http/protobuf")
 SAMPLERS = (
@@ -72,37 +81,42 @@ class RecentSpans(SpanExporter):
     """Keeps the latest ``maxlen`` finished spans in memory (the embedded default's trace store) and counts all."""
 
     def __init__(self, maxlen: int = 2048) -> None:
+        # No lock: deque.extend and deque.copy are atomic under the GIL, and a lock could be inherited held by fork.
         self._spans: collections.deque[ReadableSpan] = collections.deque(maxlen=maxlen)
-        self._lock = threading.Lock()
         self.total = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        with self._lock:
-            self._spans.extend(spans)
-            self.total += len(spans)
+        self._spans.extend(spans)
+        self.total += len(spans)  # one exporting thread (the span processor's)
         return SpanExportResult.SUCCESS
 
     def spans(self) -> list[ReadableSpan]:
-        with self._lock:
-            return list(self._spans)
+        return list(self._spans.copy())
 
     def shutdown(self) -> None:
         return None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: setups are kept in a weak set
 class TelemetrySetup:
-    """What :func:`configure` built. ``shutdown()`` flushes everything within a bounded time."""
+    """What :func:`configure` built. ``shutdown()`` flushes everything within a bounded time.
+
+    ``mode`` is ``"otlp"`` (spans and metrics of the telemetry built and exported by the export process),
+    ``"embedded"``, ``"console"``, ``"prometheus"`` (in-process) or ``"disabled"``. ``tracer_provider`` and
+    ``meter_provider`` are this process's providers, exporting the same way, for your own spans and metrics (and
+    SGLang's request spans and stat-logger series); the telemetry's own spans never go through them in ``otlp`` mode.
+    """
 
     telemetry: HiCacheTelemetry
     tracer_provider: trace.TracerProvider
     meter_provider: metrics.MeterProvider
-    mode: str  # "otlp", "embedded", "console", "disabled"
+    mode: str
     metric_reader: InMemoryMetricReader | None = None  # embedded mode: read metrics in-process
     recent_spans: RecentSpans | None = None  # embedded mode: the latest spans
     prometheus_address: tuple[str, int] | None = None
     _closers: list[Any] = field(default_factory=list)
     _push_readers: list[MetricReader] = field(default_factory=list)
+    _closed: bool = False
 
     def force_flush(self, timeout_s: float = 5.0) -> None:
         """Create queued spans, export them, and push metrics now.
@@ -110,35 +124,62 @@ class TelemetrySetup:
         Only push readers are flushed: a collection on the Prometheus reader would be queued and served twice by the
         next scrape (the exporter keeps every collection until scraped).
         """
+        deadline = time.monotonic() + timeout_s
         self.telemetry.flush(timeout_s)
+        remaining = max(0.0, deadline - time.monotonic())
         flush = getattr(self.tracer_provider, "force_flush", None)
-        if flush is not None:
-            flush(int(timeout_s * 1000))
-        for reader in self._push_readers:
-            reader.force_flush(int(timeout_s * 1000))
+        jobs = [] if flush is None else [lambda: flush(int(remaining * 1000))]
+        jobs += [lambda r=reader: r.force_flush(int(remaining * 1000)) for reader in self._push_readers]
+        _bounded(jobs, remaining)
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        self.telemetry.shutdown(timeout_s)
-        for provider in (self.tracer_provider, self.meter_provider):
-            close = getattr(provider, "shutdown", None)
-            if close is not None:
-                try:
-                    close(timeout_millis=int(timeout_s * 1000))
-                except TypeError:  # TracerProvider.shutdown() takes no timeout
-                    close()
-        for closer in self._closers:
-            closer()
+    def shutdown(self, timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+        """Hand the last records over and stop everything, in at most about ``timeout_s`` whatever the collector
+        does (the SDK's own shutdown waits up to 30 s for a dead collector; here it is cut off)."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout_s
+        self.telemetry.shutdown(timeout_s * 0.6)
+        remaining = max(0.0, deadline - time.monotonic())
+        jobs = [
+            lambda p=provider: _shutdown_provider(p, remaining)
+            for provider in (self.tracer_provider, self.meter_provider)
+            if hasattr(provider, "shutdown")
+        ]
+        _bounded(jobs + list(self._closers), remaining)
+
+
+def _shutdown_provider(provider: Any, timeout_s: float) -> None:
+    try:
+        provider.shutdown(timeout_millis=int(timeout_s * 1000))
+    except TypeError:  # TracerProvider.shutdown() takes no timeout: _bounded cuts it off
+        provider.shutdown()
+
+
+def _bounded(jobs: Sequence[Any], timeout_s: float) -> bool:
+    """Run ``jobs`` concurrently on daemon threads and wait at most ``timeout_s`` for all of them. A job that
+    outlives the budget (an exporter retrying a dead collector) is abandoned; the caller goes on."""
+    threads = [threading.Thread(target=_quietly, args=(job,), daemon=True, name="otel-hicache-close") for job in jobs]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in threads)
+
+
+def _quietly(job: Any) -> None:
+    try:
+        job()
+    except Exception:
+        logging.getLogger(__name__).debug("otel_hicache: a shutdown step failed", exc_info=True)
 
 
 def views(cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT) -> list[View]:
     """One View per instrument: closed attribute keys, a series cap, and explicit buckets for histograms."""
     out = []
     for spec in sc.INSTRUMENTS:
-        aggregation = None
-        if spec.name == sc.METRIC_TRANSFER_DURATION:
-            aggregation = ExplicitBucketHistogramAggregation(sc.TRANSFER_DURATION_BUCKETS)
-        elif spec.name == sc.METRIC_EVICTION_DURATION:
-            aggregation = ExplicitBucketHistogramAggregation(sc.EVICTION_DURATION_BUCKETS)
+        aggregation = None if spec.buckets is None else ExplicitBucketHistogramAggregation(spec.buckets)
         out.append(
             View(
                 instrument_name=spec.name,
@@ -242,14 +283,17 @@ def configure(
     ranks: Mapping[str, int] | None = None,
     resource_attributes: Mapping[str, Any] | None = None,
     pools: Sequence[str] = (sc.DEFAULT_POOL,),
+    extra_pools: Sequence[str] = (),
     cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT,
     set_global: bool = False,
     env: Mapping[str, str] | None = None,
 ) -> TelemetrySetup:
     """Build providers and a :class:`HiCacheTelemetry` from arguments, then the ``OTEL_*`` environment.
 
-    Arguments win over the environment. ``set_global=True`` also installs the providers as the OTel globals (what
-    auto-instrumentation and the SGLang instrumentor use by default).
+    Arguments win over the environment. Every value is checked before anything is built: a bad one raises
+    :class:`ConfigError` with no thread started and no port bound. ``set_global=True`` also installs this process's
+    providers as the OTel globals. Exporting over OTLP (and nothing in-process such as a Prometheus endpoint), the
+    telemetry's spans and metrics are built and exported by an export process of its own, started on first use.
     """
     env = os.environ if env is None else env
     _validate_env(env)
@@ -259,7 +303,8 @@ def configure(
         raise ConfigError("cardinality_limit must be >= 1")
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         noop_t, noop_m = trace.NoOpTracerProvider(), metrics.NoOpMeterProvider()
-        return TelemetrySetup(HiCacheTelemetry(noop_t, noop_m, pools=pools, spans=False), noop_t, noop_m, "disabled")
+        telemetry = HiCacheTelemetry(noop_t, noop_m, pools=pools, extra_pools=extra_pools, spans=False)
+        return TelemetrySetup(telemetry, noop_t, noop_m, "disabled")
 
     any_endpoint = endpoint or any(
         env.get(v) for v in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
@@ -278,32 +323,92 @@ def configure(
     if metrics_kind == "prometheus" and prometheus_port is None:
         prometheus_port = int(_env_number(env, "OTEL_EXPORTER_PROMETHEUS_PORT", 0, 65535) or 9464)
         prometheus_host = env.get("OTEL_EXPORTER_PROMETHEUS_HOST", prometheus_host)
+    if metrics_kind == "prometheus":
+        metrics_kind = "none"  # the Prometheus reader below is the metrics exporter
     if env is os.environ:
         os.environ.setdefault(_INTERNAL_METRICS_ENV, "true")
 
     resource = build_resource(service_name, ranks, resource_attributes)
-    readers: list[MetricReader] = []
-    memory_reader: InMemoryMetricReader | None = None
+    plan = {
+        "resource": dict(resource.attributes),
+        "traces": traces_kind,
+        "metrics": metrics_kind,
+        "protocol_traces": protocol_traces,
+        "protocol_metrics": protocol_metrics,
+        "endpoint": endpoint,
+        "cardinality_limit": cardinality_limit,
+        "spans": True,
+    }
+    built = _build(plan, prometheus_host, prometheus_port)
+    if set_global:
+        trace.set_tracer_provider(built.tracer_provider)
+        metrics.set_meter_provider(built.meter_provider)
+    if "otlp" in (traces_kind, metrics_kind) and prometheus_port is None:
+        consumer = functools.partial(_export_process, plan=plan, env=env)
+        telemetry = HiCacheTelemetry(pools=pools, extra_pools=extra_pools, consumer=consumer)
+        mode = "otlp"
+    else:
+        telemetry = HiCacheTelemetry(built.tracer_provider, built.meter_provider, pools=pools, extra_pools=extra_pools)
+        mode = next((k for k in ("otlp", "embedded", "console") if k in (traces_kind, metrics_kind)), "prometheus")
+    setup = TelemetrySetup(telemetry, built.tracer_provider, built.meter_provider, mode, built.memory_reader,
+                           built.recent_spans, built.prometheus_address, built.closers, built.push_readers)  # fmt: skip
+    _AT_EXIT.add(setup)
+    return setup
+
+
+def _export_process(channel: Channel, *, plan: dict[str, Any], env: Mapping[str, str]) -> ExportProcess:
+    layout = channel.layout
+    config = {**plan, "pools": list(layout.pools), "seed_pools": list(layout.seed_pools), "capacity": channel.capacity}
+    return ExportProcess(channel, config, env)
+
+
+class _Built(NamedTuple):
+    tracer_provider: TracerProvider
+    meter_provider: MeterProvider
+    memory_reader: InMemoryMetricReader | None
+    recent_spans: RecentSpans | None
+    prometheus_address: tuple[str, int] | None
+    closers: list[Any]
+    push_readers: list[MetricReader]
+
+
+def _build(plan: Mapping[str, Any], prometheus_host: str, prometheus_port: int | None) -> _Built:
+    """This process's providers for ``plan``. The Prometheus port is bound first (the one step that can fail on a
+    value); if anything after it fails, the server is stopped before the error propagates."""
     closers: list[Any] = []
+    prometheus = None
+    if prometheus_port is not None:
+        prometheus = _prometheus_reader(prometheus_host, prometheus_port)
+        closers.append(prometheus[2])
+    try:
+        return _providers(plan, prometheus, closers)
+    except BaseException:
+        _bounded(closers, 5.0)
+        raise
+
+
+def _providers(plan: Mapping[str, Any], prometheus: tuple[Any, MetricReader, Any] | None, closers: list[Any]) -> _Built:
+    resource = Resource(plan["resource"])
+    readers: list[MetricReader] = [] if prometheus is None else [prometheus[1]]
+    memory_reader: InMemoryMetricReader | None = None
+    metrics_kind, traces_kind = plan["metrics"], plan["traces"]
     if metrics_kind == "otlp":
-        readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(protocol_metrics, endpoint)))
+        readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(plan["protocol_metrics"], plan["endpoint"])))
     elif metrics_kind == "console":
         readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stdout)))
     elif metrics_kind == "embedded":
         memory_reader = InMemoryMetricReader()
         readers.append(memory_reader)
-    prometheus_address = None
-    if prometheus_port is not None:
-        prometheus_address, reader, stop = _prometheus_reader(prometheus_host, prometheus_port)
-        readers.append(reader)
-        closers.append(stop)
-    meter_provider = MeterProvider(metric_readers=readers, resource=resource, views=views(cardinality_limit))
-
-    tracer_provider = TracerProvider(resource=resource)
+    meter_provider = MeterProvider(metric_readers=readers, resource=resource, views=views(plan["cardinality_limit"]),
+                                   shutdown_on_exit=False)  # fmt: skip
+    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     recent: RecentSpans | None = None
     if traces_kind == "otlp":
-        span_exporter = _otlp_span_exporter(protocol_traces, endpoint, meter_provider)
-        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter, meter_provider=meter_provider))
+        span_exporter = _otlp_span_exporter(plan["protocol_traces"], plan["endpoint"], meter_provider)
+        queue = plan.get("span_queue")
+        tracer_provider.add_span_processor(
+            BatchSpanProcessor(span_exporter, max_queue_size=queue, meter_provider=meter_provider)
+        )
     elif traces_kind == "console":
         tracer_provider.add_span_processor(
             BatchSpanProcessor(ConsoleSpanExporter(out=sys.stdout), meter_provider=meter_provider)
@@ -311,18 +416,36 @@ def configure(
     elif traces_kind == "embedded":
         recent = RecentSpans()
         tracer_provider.add_span_processor(SimpleSpanProcessor(recent))
-
-    if set_global:
-        trace.set_tracer_provider(tracer_provider)
-        metrics.set_meter_provider(meter_provider)
-    telemetry = HiCacheTelemetry(tracer_provider, meter_provider, pools=pools)
-    mode = "otlp" if "otlp" in (traces_kind, metrics_kind) else (
-        "embedded" if "embedded" in (traces_kind, metrics_kind) else traces_kind
-    )  # fmt: skip
     push = [r for r in readers if isinstance(r, PeriodicExportingMetricReader)]
-    return TelemetrySetup(
-        telemetry, tracer_provider, meter_provider, mode, memory_reader, recent, prometheus_address, closers, push
-    )
+    address = None if prometheus is None else prometheus[0]
+    return _Built(tracer_provider, meter_provider, memory_reader, recent, address, closers, push)
+
+
+def export_providers(config: Mapping[str, Any]) -> tuple[TracerProvider, MeterProvider]:
+    """The export process's providers: the host's plan, the host's Resource, a span queue as deep as the ring."""
+    env_queue = os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE")
+    plan = {**config, "span_queue": None if env_queue else max(2048, int(config["capacity"]))}
+    built = _build(plan, "127.0.0.1", None)
+    return built.tracer_provider, built.meter_provider
+
+
+class _AtExit:
+    """Shuts down, bounded, every setup still open when the interpreter exits (the SDK's own exit handlers are off:
+    they wait up to 30 s on a dead collector). Weak: a dropped setup is not kept alive."""
+
+    def __init__(self) -> None:
+        self._setups: weakref.WeakSet[TelemetrySetup] = weakref.WeakSet()
+        atexit.register(self._close_all)
+
+    def add(self, setup: TelemetrySetup) -> None:
+        self._setups.add(setup)
+
+    def _close_all(self) -> None:
+        setups = list(self._setups)
+        _bounded([lambda s=s: s.shutdown(DEFAULT_SHUTDOWN_TIMEOUT_S) for s in setups], DEFAULT_SHUTDOWN_TIMEOUT_S)
+
+
+_AT_EXIT = _AtExit()
 
 
 def _prometheus_reader(host: str, port: int) -> tuple[tuple[str, int], MetricReader, Any]:

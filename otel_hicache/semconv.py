@@ -8,7 +8,7 @@ bounded by ``operations x pools x reasons`` whatever a producer sends: an unknow
 from __future__ import annotations
 
 from enum import Enum
-from typing import Final
+from typing import Final, NamedTuple
 
 
 class _StrEnum(str, Enum):
@@ -101,6 +101,47 @@ TRANSFER_ERRORS: Final[frozenset[str]] = frozenset(
 )
 OTHER_ERROR: Final = "_OTHER"
 
+
+#: What kind of record a self-metric point is about (``otel_hicache.record.kind``).
+class RecordKind(_StrEnum):
+    TRANSFER = "transfer"
+    FAILURE = "failure"
+    DROP = "drop"
+    EVICTION = "eviction"
+    PREFIX_SPLIT = "prefix_split"
+    POOL_USAGE = "pool_usage"
+
+
+class Problem(_StrEnum):
+    """Why a record was refused (``otel_hicache.records.rejected``) or corrected (``...records.normalized``)."""
+
+    # refused: nothing of the record was counted
+    MALFORMED = "malformed"  # not a record of that kind, or reading it raised
+    UNKNOWN_OPERATION = "unknown_operation"
+    UNKNOWN_REASON = "unknown_reason"
+    UNKNOWN_TIER = "unknown_tier"
+    UNKNOWN_TIMING_SOURCE = "unknown_timing_source"  # or a duration whose source says "none"
+    BAD_COUNT = "bad_count"  # not an integer
+    NEGATIVE_COUNT = "negative_count"
+    ABSURD_COUNT = "absurd_count"
+    BYTES_MISMATCH = "bytes_mismatch"  # bytes per pool do not add up to the total
+    BAD_DURATION = "bad_duration"
+    END_BEFORE_START = "end_before_start"
+    BUILD_FAILED = "build_failed"  # a deferred record's builder raised or returned no record
+    QUEUE_FULL = "queue_full"  # a deferred record could not be queued: shed, never built
+    SOURCE_FAILED = "source_failed"  # a pool-usage source raised
+    # corrected: the record was counted
+    UNKNOWN_POOL = "unknown_pool"  # reported as pool "other"
+    BAD_LINK = "bad_link"  # a link that is not a valid SpanContext was left out
+    LINKS_TRUNCATED = "links_truncated"  # more links than a span keeps (MAX_LINKS)
+    BAD_ATTRIBUTE = "bad_attribute"  # a write policy or io backend that is not a string was left out
+
+
+#: Links a transfer span keeps; more are left out and counted (``links_truncated``).
+MAX_LINKS: Final = 8
+#: Pool names a producer may add to :data:`POOLS` (``HiCacheTelemetry(extra_pools=...)``): a bound on cardinality.
+MAX_EXTRA_POOLS: Final = 64
+
 # --------------------------------------------------------------------------- attribute keys
 ATTR_OPERATION: Final = "hicache.operation"
 ATTR_POOL: Final = "hicache.pool"
@@ -161,13 +202,19 @@ EVICTION_DURATION_BUCKETS: Final[tuple[float, ...]] = (
 )  # fmt: skip
 
 
-class InstrumentSpec:
-    """Name, kind, unit, description and the closed attribute keys of one instrument."""
+class InstrumentSpec(NamedTuple):
+    """Name, kind, unit, description, the closed attribute keys and (histograms) the buckets of one instrument.
 
-    __slots__ = ("attributes", "description", "kind", "name", "unit")
+    ``kind`` is what the sink creates: ``counter`` (an observable counter reading exact accumulators),
+    ``histogram``, or ``observable_up_down_counter`` (pool occupancy gauges).
+    """
 
-    def __init__(self, name: str, kind: str, unit: str, description: str, attributes: tuple[str, ...]) -> None:
-        self.name, self.kind, self.unit, self.description, self.attributes = name, kind, unit, description, attributes
+    name: str
+    kind: str
+    unit: str
+    description: str
+    attributes: tuple[str, ...]
+    buckets: tuple[float, ...] | None = None
 
 
 INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
@@ -175,13 +222,14 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
                    "Logical tokens moved by completed merged transfers, by operation and pool. Sidecar transfers "
                    "that reuse another pool's indices are not counted.", (ATTR_OPERATION, ATTR_POOL)),
     InstrumentSpec(METRIC_TRANSFER_SIZE, "counter", UNIT_BYTE,
-                   "Bytes moved by completed merged transfers, sidecar and draft piggyback included. hicache.pool is "
-                   "present only where the producer reports bytes per pool (SGLang reports one total per ack).",
-                   (ATTR_OPERATION, ATTR_POOL)),
+                   "Bytes moved by completed merged transfers, sidecar and draft piggyback included, by how the "
+                   "copy was timed (none: untimed). hicache.pool is present only where the producer reports bytes per "
+                   "pool (SGLang reports one total per ack). Bandwidth = bytes of one timing source / the duration sum "
+                   "of the same source.", (ATTR_OPERATION, ATTR_POOL, ATTR_TIMING_SOURCE)),
     InstrumentSpec(METRIC_TRANSFER_DURATION, "histogram", UNIT_SECOND,
                    "Copy time of a merged transfer, measured on the device (CUDA events) or by the host clock around "
                    "a synchronous copy. Transfers without timing record nothing here.",
-                   (ATTR_OPERATION, ATTR_TIMING_SOURCE)),
+                   (ATTR_OPERATION, ATTR_TIMING_SOURCE), TRANSFER_DURATION_BUCKETS),
     InstrumentSpec(METRIC_TRANSFER_FAILURES, "counter", UNIT_TRANSFER,
                    "Transfers that could not be issued or completed.", (ATTR_OPERATION, ATTR_ERROR_TYPE)),
     InstrumentSpec(METRIC_DROPPED_TOKENS, "counter", UNIT_TOKEN,
@@ -189,7 +237,8 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
     InstrumentSpec(METRIC_EVICTION_TOKENS, "counter", UNIT_TOKEN,
                    "Token slots freed by eviction, backed up or not.", (ATTR_TIER,)),
     InstrumentSpec(METRIC_EVICTION_DURATION, "histogram", UNIT_SECOND,
-                   "Wall-clock time of an eviction pass, blocking write-back copies included.", (ATTR_TIER,)),
+                   "Wall-clock time of an eviction pass, blocking write-back copies included.", (ATTR_TIER,),
+                   EVICTION_DURATION_BUCKETS),
     InstrumentSpec(METRIC_PREFILL_TOKENS, "counter", UNIT_TOKEN,
                    "Prefill tokens by how they were obtained: computed (input) or hit in a tier.",
                    (ATTR_PREFILL_MODE,)),
@@ -204,8 +253,8 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
                    "Records counted after a correction (an unknown pool reported as other).",
                    (ATTR_RECORD_KIND, ATTR_PROBLEM)),
     InstrumentSpec(METRIC_RECORDS_DROPPED, "counter", UNIT_RECORD,
-                   "Records whose span and histogram point were lost because the export queue was full; their "
-                   "counters are still exact.", (ATTR_RECORD_KIND,)),
+                   "Records whose span and histogram point were lost (the export ring was full, or the telemetry was "
+                   "shut down); their counters are still exact.", (ATTR_RECORD_KIND,)),
 )  # fmt: skip
 
 # --------------------------------------------------------------------------- spans

@@ -81,7 +81,7 @@ def test_metric_points_equal_what_the_records_said(exported: tuple[OtlpReceiver,
     assert tokens[key("storage_backup", "kv")] == 128
     assert tokens[key("storage_prefetch", "kv")] == 0  # pre-seeded
     size = _sum_points(rx, sc.METRIC_TRANSFER_SIZE)
-    assert size[frozenset({sc.ATTR_OPERATION: "backup"}.items())] == 655360
+    assert size[frozenset({sc.ATTR_OPERATION: "backup", sc.ATTR_TIMING_SOURCE: "cuda_event"}.items())] == 655360
     drops = _sum_points(rx, sc.METRIC_DROPPED_TOKENS)
     assert drops[frozenset({sc.ATTR_DROP_REASON: "host_pressure", sc.ATTR_POOL: "kv"}.items())] == 48
     prefill = _sum_points(rx, sc.METRIC_PREFILL_TOKENS)

@@ -74,7 +74,9 @@ class TestMetricPoints:
     def test_known_series_are_pre_seeded_at_zero(self, sdk: Sdk) -> None:
         for op in TransferOperation:
             assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool(op.value, "kv")) == 0
-            assert sdk.value(sc.METRIC_TRANSFER_SIZE, op_pool(op.value, "kv")) == 0
+            for source in TimingSource:  # bandwidth = bytes / duration of one timing source, from the start
+                size = {sc.ATTR_OPERATION: op.value, sc.ATTR_TIMING_SOURCE: source.value}
+                assert sdk.value(sc.METRIC_TRANSFER_SIZE, size) == 0
         for reason in DropReason:
             assert sdk.value(sc.METRIC_DROPPED_TOKENS, {sc.ATTR_DROP_REASON: reason.value, sc.ATTR_POOL: "kv"}) == 0
         for mode in PrefillMode:
@@ -87,13 +89,18 @@ class TestMetricPoints:
         tel.record_transfer(backup({"kv": 16, "mamba": 2}, 5000, bytes_by_pool={"kv": 4000, "mamba": 1000}))
         tel.record_transfer(backup({"kv": 8}, 2000, bytes_by_pool={"kv": 2000}))
         tel.record_transfer(backup({"kv": 4}, 700, operation=TransferOperation.LOAD_BACK))  # total bytes only
-        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 24
+        tel.record_transfer(backup({"kv": 1}, 300, copy_duration_s=None))  # untimed
+        timed = {sc.ATTR_TIMING_SOURCE: "cuda_event"}
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 25
         assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "mamba")) == 2
-        assert sdk.value(sc.METRIC_TRANSFER_SIZE, op_pool("backup", "kv")) == 6000
-        assert sdk.value(sc.METRIC_TRANSFER_SIZE, op_pool("backup", "mamba")) == 1000
+        assert sdk.value(sc.METRIC_TRANSFER_SIZE, {**op_pool("backup", "kv"), **timed}) == 6000
+        assert sdk.value(sc.METRIC_TRANSFER_SIZE, {**op_pool("backup", "mamba"), **timed}) == 1000
         assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("load_back", "kv")) == 4
         # a producer that knows only the total (SGLang's ack) gets a point without hicache.pool
-        assert sdk.value(sc.METRIC_TRANSFER_SIZE, {sc.ATTR_OPERATION: "load_back"}) == 700
+        assert sdk.value(sc.METRIC_TRANSFER_SIZE, {sc.ATTR_OPERATION: "load_back", **timed}) == 700
+        # bytes of untimed transfers are apart, so bandwidth (timed bytes / timed seconds) never counts them
+        untimed = {sc.ATTR_OPERATION: "backup", sc.ATTR_TIMING_SOURCE: "none"}
+        assert sdk.value(sc.METRIC_TRANSFER_SIZE, untimed) == 300
 
     def test_durations_land_in_the_explicit_buckets_by_operation_and_timing_source(self, sdk: Sdk) -> None:
         for seconds in (0.00005, 0.002, 0.002, 45.0):
@@ -384,7 +391,7 @@ class TestDeferredRecords:
             for p in m.data.data_points
         }
         assert reader_value[frozenset(op_pool("backup", "kv").items())] == 45
-        assert sdk.telemetry.snapshot()[sc.METRIC_TRANSFER_SIZE][("backup", None)] == 1000
+        assert sdk.telemetry.snapshot()[sc.METRIC_TRANSFER_SIZE][("backup", None, "cuda_event")] == 1000
         assert len(sdk.finished_spans()) == 10
 
     def test_the_calling_thread_does_not_build_the_record(self) -> None:
@@ -404,7 +411,7 @@ class TestDeferredRecords:
         deadline = time.monotonic() + 5
         while not builders and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert builders == ["otel-hicache-telemetry"]
+        assert builders == ["otel-hicache-host"]
         assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 3
         sdk.telemetry.shutdown()
 
@@ -419,10 +426,30 @@ class TestDeferredRecords:
         assert rejected == {"build_failed": 1, "malformed": 1}
         assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 5
 
-    def test_a_worker_far_behind_makes_the_caller_count_instead_of_losing_records(self) -> None:
-        sdk = make_sdk(max_queue=4, flush_interval_s=3600)
-        sdk.telemetry.record_transfer(backup())  # starts the (sleeping) worker
-        for _ in range(9):
+    def test_a_hung_build_never_blocks_the_caller_and_what_cannot_be_queued_is_shed_and_counted(self) -> None:
+        import threading
+        import time
+
+        release = threading.Event()
+
+        def hung(payload: tuple[int, int]) -> TransferRecord:
+            release.wait(30)
+            return self.build(payload)
+
+        sdk = make_sdk(max_queue=4)
+        sdk.telemetry.record_transfer_deferred(hung, (1, 1))
+        deadline = time.monotonic() + 5
+        while sdk.telemetry._deferred and time.monotonic() < deadline:  # the host thread took it and hangs in it
+            time.sleep(0.001)
+        worst = 0.0
+        for _ in range(20):  # a burst far past the queue
+            start = time.perf_counter()
             sdk.telemetry.record_transfer_deferred(self.build, (1, 1))
-        assert len(sdk.telemetry._deferred) < 4
-        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 16 + 9
+            worst = max(worst, time.perf_counter() - start)
+        assert worst < 0.5  # never waited on the hung build (it would take 30 s)
+        shed = {sc.ATTR_RECORD_KIND: "transfer", sc.ATTR_PROBLEM: "queue_full"}
+        release.set()
+        assert sdk.telemetry.flush()
+        assert sdk.value(sc.METRIC_RECORDS_REJECTED, shed) == 16  # 4 queued behind the hung one, 16 shed
+        assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 1 + 4
+        sdk.telemetry.shutdown()

@@ -1,0 +1,224 @@
+"""The channel between a host process and its exporter: one block of memory both map.
+
+Layout (all int64-aligned)::
+
+    header (HEADER_INTS int64)  |  counter table + pool gauges (accumulation.Layout)  |  record ring (slots)
+
+* The **counter table** holds every counter series exactly (:mod:`otel_hicache.accumulation`).
+* The **record ring** is a bounded single-producer / single-consumer queue of fixed-size slots: the host packs each
+  transfer (for its span and histogram point) and each eviction (for its histogram point) into the next free slot;
+  when the ring is full the record's span is shed and counted, never waited for. The producer publishes a slot by
+  advancing ``WRITE`` after writing it; the consumer advances ``READ`` after decoding.
+* The **header** also carries the flush handshake (``FLUSH_REQ`` / ``FLUSH_DONE``) and the exporter's state.
+
+Shared (``os.memfd_create``, inherited by the export process as a file descriptor, so nothing is left on disk or in
+``/dev/shm`` when either side dies) or private (an anonymous mapping, for the in-process consumer).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from typing import Any
+
+from opentelemetry.trace import SpanContext, TraceFlags
+
+from otel_hicache import semconv as sc
+from otel_hicache.accumulation import Counters, Layout
+from otel_hicache.records import EvictionRecord, TransferRecord
+from otel_hicache.validation import MAX_LABEL_BYTES, Transfer
+
+# header slots
+MAGIC, WRITE, READ, FLUSH_REQ, FLUSH_DONE, EXPORTER_PID, EXPORTER_DONE = range(7)
+HEADER_INTS = 8
+_MAGIC = 0x4849434143484531  # "HICACHE1"
+
+_KIND_TRANSFER, _KIND_EVICTION = 1, 2
+_OPS = list(sc.TransferOperation)
+_OP_INDEX = {op: i for i, op in enumerate(_OPS)}
+_SOURCES = list(sc.TimingSource)
+_SOURCE_INDEX = {s: i for i, s in enumerate(_SOURCES)}
+_TIERS = list(sc.Tier)
+_TIER_INDEX = {t: i for i, t in enumerate(_TIERS)}
+
+# kind, operation|tier, timing source, pools, links, label lengths; times, duration (NaN: none), bytes, counts
+_FIXED = struct.Struct(f"<7Bx qqd qqq {MAX_LABEL_BYTES}s{MAX_LABEL_BYTES}s")
+_POOL = struct.Struct("<Hxxxxxxqq")  # pool index, tokens (-1: none), bytes (-1: not split by pool)
+_LINK = struct.Struct("<16s8sBBxxxxxx")  # trace id, span id, trace flags, is_remote
+
+
+def slot_size(pools: int) -> int:
+    size = _FIXED.size + pools * _POOL.size + sc.MAX_LINKS * _LINK.size
+    return (size + 7) & ~7
+
+
+class Channel:
+    """Header, counters and ring over one memory block; ``fd`` is set when the block can be shared."""
+
+    def __init__(self, layout: Layout, capacity: int, *, shared: bool, fd: int | None = None) -> None:
+        if capacity < 1:
+            raise ValueError("the ring needs at least one slot")
+        self.layout = layout
+        self.capacity = capacity
+        self.slot = slot_size(len(layout.pools))
+        self.ring_offset = (layout.end * 8 + 63) & ~63
+        size = self.ring_offset + capacity * self.slot
+        attach = fd is not None
+        if shared and fd is None:
+            fd = _anonymous_file(size)
+        self.fd = fd
+        if fd is None:  # private: a forked child gets its own copy, never the parent's counts
+            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:
+            self._map = mmap.mmap(fd, size)
+        self.ints = memoryview(self._map).cast("B").cast("q")
+        self.bytes = memoryview(self._map)
+        self.counters = Counters(layout, self.ints)
+        self._pool_index = {pool: i for i, pool in enumerate(layout.pools)}
+        self._labels: dict[str | None, bytes] = {None: b""}
+        if attach:
+            if self.ints[MAGIC] != _MAGIC:
+                raise ValueError("not an otel_hicache channel")
+        else:
+            self.ints[MAGIC] = _MAGIC
+
+    def reset(self) -> None:
+        """Everything back to zero: counters, gauges, an empty ring (a forked child's private copy)."""
+        self.bytes[:] = bytes(len(self.bytes))
+        self.ints[MAGIC] = _MAGIC
+
+    def close(self) -> None:
+        """Unmap (and close the descriptor); the memory lives on while the other side still maps it."""
+        self.ints.release()
+        self.bytes.release()
+        self._map.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    # ------------------------------------------------------------------ producer (host, under its lock)
+    def _claim(self) -> int | None:
+        ints = self.ints
+        write = ints[WRITE]
+        if write - ints[READ] >= self.capacity:
+            return None
+        return write
+
+    def _label(self, value: str | None) -> bytes:
+        encoded = self._labels.get(value)
+        if encoded is None:
+            encoded = value.encode("utf-8", "replace")[:MAX_LABEL_BYTES] if value else b""
+            if len(self._labels) < 256:  # write policies and io backends are a handful of names
+                self._labels[value] = encoded
+        return encoded
+
+    def put_transfer(self, t: Transfer) -> bool:
+        """Pack a checked transfer into the next slot; False when the ring is full."""
+        write = self._claim()
+        if write is None:
+            return False
+        buf, index = self.bytes, self._pool_index
+        offset = self.ring_offset + (write % self.capacity) * self.slot
+        pools: dict[str, list[int]] = {pool: [n, -1] for pool, n in t.tokens}
+        if t.bytes_by_pool is not None:
+            for pool, n in t.bytes_by_pool:
+                pools.setdefault(pool, [-1, -1])[1] = n
+        links = t.links
+        duration = math.nan if t.copy_duration_s is None else t.copy_duration_s
+        _FIXED.pack_into(buf, offset, _KIND_TRANSFER, _OP_INDEX[t.operation], _SOURCE_INDEX[t.timing_source],
+                         len(pools), len(links), t.bytes_by_pool is not None, 0, t.submit_time_ns,
+                         t.complete_time_ns, duration, t.num_bytes, t.merged_ops, t.node_count,
+                         self._label(t.write_policy), self._label(t.io_backend))  # fmt: skip
+        at = offset + _FIXED.size
+        for pool, (tokens, size) in pools.items():
+            _POOL.pack_into(buf, at, index[pool], tokens, size)
+            at += _POOL.size
+        for link in links:
+            _LINK.pack_into(buf, at, link.trace_id.to_bytes(16, "big"), link.span_id.to_bytes(8, "big"),
+                            int(link.trace_flags), link.is_remote)  # fmt: skip
+            at += _LINK.size
+        self.ints[WRITE] = write + 1
+        return True
+
+    def put_eviction(self, tier: sc.Tier, tokens: int, duration_s: float, time_ns: int) -> bool:
+        write = self._claim()
+        if write is None:
+            return False
+        offset = self.ring_offset + (write % self.capacity) * self.slot
+        _FIXED.pack_into(self.bytes, offset, _KIND_EVICTION, _TIER_INDEX[tier], 0, 0, 0, 0, 0, time_ns, time_ns,
+                         duration_s, tokens, 0, 0, b"", b"")  # fmt: skip
+        self.ints[WRITE] = write + 1
+        return True
+
+    def pending(self) -> int:
+        return int(self.ints[WRITE] - self.ints[READ])
+
+    # ------------------------------------------------------------------ consumer (exporter, one thread)
+    def take(self, limit: int) -> list[TransferRecord | EvictionRecord]:
+        """Decode and release up to ``limit`` records, oldest first."""
+        ints = self.ints
+        read, write = ints[READ], ints[WRITE]
+        end = min(write, read + limit)
+        out = [self._decode(self.ring_offset + (i % self.capacity) * self.slot) for i in range(read, end)]
+        ints[READ] = end
+        return out
+
+    def _decode(self, offset: int) -> TransferRecord | EvictionRecord:
+        buf, pools = self.bytes, self.layout.pools
+        (kind, which, source, n_pools, n_links, split, _, start, end, duration, num_bytes, merged, nodes, policy,
+         backend) = _FIXED.unpack_from(buf, offset)  # fmt: skip
+        if kind == _KIND_EVICTION:
+            return EvictionRecord(_TIERS[which], num_bytes, duration, end)
+        at = offset + _FIXED.size
+        tokens: dict[str, int] = {}
+        by_pool: dict[str, int] = {}
+        for _ in range(n_pools):
+            index, n, size = _POOL.unpack_from(buf, at)
+            at += _POOL.size
+            if n >= 0:
+                tokens[pools[index]] = n
+            if size >= 0:
+                by_pool[pools[index]] = size
+        links = []
+        for _ in range(n_links):
+            trace_id, span_id, flags, remote = _LINK.unpack_from(buf, at)
+            at += _LINK.size
+            links.append(SpanContext(int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big"), bool(remote),
+                                     TraceFlags(flags)))  # fmt: skip
+        return TransferRecord(
+            operation=_OPS[which],
+            tokens_by_pool=tokens,
+            num_bytes=num_bytes,
+            submit_time_ns=start,
+            complete_time_ns=end,
+            copy_duration_s=None if math.isnan(duration) else duration,
+            timing_source=_SOURCES[source],
+            merged_ops=merged,
+            node_count=nodes,
+            bytes_by_pool=by_pool if split else None,
+            write_policy=_text(policy),
+            io_backend=_text(backend),
+            links=tuple(links),
+        )
+
+
+def _text(raw: bytes) -> str | None:
+    text = raw.rstrip(b"\0").decode("utf-8", "replace")
+    return text or None
+
+
+def _anonymous_file(size: int) -> int:
+    """A descriptor for ``size`` bytes of memory with no name anywhere (memfd where the OS has it)."""
+    memfd_create: Any = getattr(os, "memfd_create", None)
+    if memfd_create is not None:
+        fd = int(memfd_create("otel-hicache"))  # close-on-exec: only the exporter gets it (pass_fds)
+    else:  # an unlinked temporary file
+        import tempfile
+
+        handle, path = tempfile.mkstemp(prefix="otel-hicache-")
+        os.unlink(path)
+        fd = handle
+    os.ftruncate(fd, size)
+    return fd

@@ -1,0 +1,143 @@
+"""The export side: OTel instruments over the counter table, and spans and histogram points from ring records.
+
+:class:`Emitter` is the policy half of the pipeline (the ring in :mod:`otel_hicache.channel` is the mechanism, as the
+OTel SDK separates ``BatchProcessor`` from ``BatchSpanProcessor``). It runs wherever the records are consumed: in the
+export process (:mod:`otel_hicache.export_process`, the default when exporting over OTLP) or on a consumer thread of
+the host (the embedded default, and providers handed to :class:`~otel_hicache.telemetry.HiCacheTelemetry`).
+
+Every instrument comes from one table, :data:`otel_hicache.semconv.INSTRUMENTS`: counters become observable counters
+reading the exact table, histograms get the table's buckets, pool gauges read the last pool reading.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import Link, Span
+
+from otel_hicache import semconv as sc
+from otel_hicache.accumulation import Counters
+from otel_hicache.records import EvictionRecord, TransferRecord
+from otel_hicache.version import __version__
+
+_log = logging.getLogger(__name__)
+
+
+class Emitter:
+    """Creates the instruments on ``meter_provider`` and turns records into spans and histogram points.
+
+    ``before_collect`` runs at the start of each collection (the in-process consumer uses it to count deferred
+    records and read the pool sources first, so a collection is exact).
+    """
+
+    def __init__(
+        self,
+        counters: Counters,
+        tracer_provider: trace.TracerProvider | None,
+        meter_provider: metrics.MeterProvider | None,
+        *,
+        spans: bool = True,
+        before_collect: Callable[[], None] | None = None,
+    ) -> None:
+        self._counters = counters
+        self._tracer = trace.get_tracer(sc.INSTRUMENTATION_SCOPE, __version__, tracer_provider)
+        self._spans = spans
+        self._before_collect = before_collect
+        meter = metrics.get_meter(sc.INSTRUMENTATION_SCOPE, __version__, meter_provider)
+        self._histograms: dict[str, Any] = {}
+        for spec in sc.INSTRUMENTS:
+            if spec.kind == "counter":
+                meter.create_observable_counter(spec.name, [self._counter_callback(spec.name)], spec.unit,
+                                                spec.description)  # fmt: skip
+            elif spec.kind == "histogram":
+                self._histograms[spec.name] = meter.create_histogram(
+                    spec.name, spec.unit, spec.description, explicit_bucket_boundaries_advisory=spec.buckets
+                )
+            else:
+                callback = self._usage if spec.name == sc.METRIC_POOL_USAGE else self._limit
+                meter.create_observable_up_down_counter(spec.name, [callback], spec.unit, spec.description)
+        self._transfer_duration = self._histograms[sc.METRIC_TRANSFER_DURATION]
+        self._eviction_duration = self._histograms[sc.METRIC_EVICTION_DURATION]
+
+    # ------------------------------------------------------------------ metrics read at collection
+    def _counter_callback(self, name: str) -> Callable[[CallbackOptions], list[Observation]]:
+        def observe(_options: CallbackOptions) -> list[Observation]:
+            if name == sc.METRIC_TRANSFER_TOKENS:  # the first counter of a collection settles for all of them
+                self._prepare()
+            return [Observation(value, attrs) for value, attrs in self._counters.observations(name)]
+
+        return observe
+
+    def _prepare(self) -> None:
+        if self._before_collect is not None:
+            try:
+                self._before_collect()
+            except Exception:
+                _log.debug("otel_hicache: preparing a collection failed", exc_info=True)
+
+    def _usage(self, _options: CallbackOptions) -> list[Observation]:
+        out = []
+        for tier, pool, used, limit in self._counters.pools():
+            base = {sc.ATTR_TIER: tier, sc.ATTR_POOL: pool}
+            out.append(Observation(used, {**base, sc.ATTR_POOL_STATE: sc.PoolState.USED.value}))
+            out.append(Observation(limit - used, {**base, sc.ATTR_POOL_STATE: sc.PoolState.FREE.value}))
+        return out
+
+    def _limit(self, _options: CallbackOptions) -> list[Observation]:
+        return [Observation(limit, {sc.ATTR_TIER: t, sc.ATTR_POOL: p}) for t, p, _, limit in self._counters.pools()]
+
+    # ------------------------------------------------------------------ records
+    def emit(self, record: TransferRecord | EvictionRecord) -> None:
+        """One span and histogram point per transfer; a histogram point per eviction."""
+        if isinstance(record, EvictionRecord):
+            self._eviction_duration.record(record.duration_s, {sc.ATTR_TIER: record.tier.value})
+            return
+        op, duration, source = record.operation, record.copy_duration_s, record.timing_source
+        span: Span | None = None
+        if self._spans:
+            span = self._tracer.start_span(
+                sc.SPAN_NAMES[op],
+                kind=trace.SpanKind.INTERNAL,
+                start_time=record.submit_time_ns,
+                links=[Link(ctx) for ctx in record.links],
+                attributes=transfer_span_attributes(record),
+                context=trace.set_span_in_context(trace.INVALID_SPAN),  # a transfer is a root, not a request child
+            )
+        if duration is not None:
+            attrs = {sc.ATTR_OPERATION: op.value, sc.ATTR_TIMING_SOURCE: source.value}
+            if span is not None and span.is_recording():
+                with trace.use_span(span, end_on_exit=False):  # exemplars carry the transfer's trace id
+                    self._transfer_duration.record(duration, attrs)
+            else:
+                self._transfer_duration.record(duration, attrs)
+        if span is not None:
+            span.end(end_time=record.complete_time_ns)
+
+
+def transfer_span_attributes(record: TransferRecord) -> dict[str, Any]:
+    """The attributes of a transfer span: totals, per-pool tokens and bytes, counts, timing."""
+    attrs: dict[str, Any] = {
+        sc.ATTR_OPERATION: record.operation.value,
+        sc.ATTR_TOKENS: sum(record.tokens_by_pool.values()),
+        sc.ATTR_BYTES: record.num_bytes,
+        sc.ATTR_MERGED_OPS: record.merged_ops,
+        sc.ATTR_NODES: record.node_count,
+        sc.ATTR_TIMING_SOURCE: record.timing_source.value,
+    }
+    for pool, n in record.tokens_by_pool.items():
+        attrs[f"{sc.ATTR_TOKENS}.{pool}"] = n
+    if record.bytes_by_pool is not None:
+        for pool, n in record.bytes_by_pool.items():
+            attrs[f"{sc.ATTR_BYTES}.{pool}"] = n
+    if record.copy_duration_s is not None and not math.isnan(record.copy_duration_s):
+        attrs[sc.ATTR_COPY_DURATION] = record.copy_duration_s
+    if record.write_policy is not None:
+        attrs[sc.ATTR_WRITE_POLICY] = record.write_policy
+    if record.io_backend is not None:
+        attrs[sc.ATTR_IO_BACKEND] = record.io_backend
+    return attrs

@@ -1,0 +1,255 @@
+"""Validation: a producer's record in, plain checked values out, or :class:`Rejected`.
+
+Every field is read exactly once (a mapping is iterated once into a list), so a record whose mappings change
+between reads, raise half-way or call back into the telemetry is refused whole or counted whole, never half.
+Integer-like scalars (numpy, torch) become ``int`` here, once; durations become ``float``. Nothing here takes a
+lock or touches the OTel SDK, so a re-entrant record cannot deadlock anything.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+from opentelemetry.trace import SpanContext
+
+from otel_hicache import semconv as sc
+from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferFailure, TransferRecord
+from otel_hicache.semconv import DropReason, PrefillMode, Problem, Tier, TimingSource, TransferOperation
+
+#: Anything above these is a corrupted record, not a transfer (2**40 tokens, 1 PiB, one day).
+MAX_TOKENS = 1 << 40
+MAX_BYTES = 1 << 50
+MAX_DURATION_S = 86_400.0
+#: Longest write policy / io backend kept on a span, in UTF-8 bytes.
+MAX_LABEL_BYTES = 32
+
+OPERATIONS: dict[str, TransferOperation] = {op.value: op for op in TransferOperation}
+REASONS: dict[str, DropReason] = {r.value: r for r in DropReason}
+TIERS: dict[str, Tier] = {t.value: t for t in Tier}
+TIMING_SOURCES: dict[str, TimingSource] = {t.value: t for t in TimingSource}
+
+
+class Rejected(Exception):
+    """The record is refused; ``problem`` is the closed name counted in ``otel_hicache.records.rejected``."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.value)
+        self.problem = problem
+
+
+class Transfer(NamedTuple):
+    """A checked transfer: every count an ``int``, pools known (or ``other``), links valid."""
+
+    operation: TransferOperation
+    tokens: list[tuple[str, int]]  # (pool, tokens), pools unique
+    num_bytes: int
+    bytes_by_pool: list[tuple[str, int]] | None
+    submit_time_ns: int
+    complete_time_ns: int
+    copy_duration_s: float | None
+    timing_source: TimingSource  # NONE exactly when copy_duration_s is None
+    merged_ops: int
+    node_count: int
+    write_policy: str | None
+    io_backend: str | None
+    links: tuple[SpanContext, ...]
+    corrections: tuple[Problem, ...]  # what was normalized, each counted once for this record
+
+
+def count(value: Any, limit: int = MAX_TOKENS) -> int:
+    """A sane non-negative integer as ``int`` (numpy and torch integers included), else :class:`Rejected`."""
+    if type(value) is not int:
+        if isinstance(value, bool) or value is None:
+            raise Rejected(Problem.BAD_COUNT)
+        try:
+            value = operator.index(value)
+        except Exception:
+            raise Rejected(Problem.BAD_COUNT) from None
+    if value < 0:
+        raise Rejected(Problem.NEGATIVE_COUNT)
+    if value > limit:
+        raise Rejected(Problem.ABSURD_COUNT)
+    return int(value)
+
+
+def duration(value: Any) -> float:
+    """A duration in seconds as ``float`` in ``[0, MAX_DURATION_S]``; strings, bools and NaN are refused."""
+    if type(value) is not float:
+        if value is None or isinstance(value, (bool, str, bytes)):
+            raise Rejected(Problem.BAD_DURATION)
+        try:
+            value = float(value)
+        except Exception:
+            raise Rejected(Problem.BAD_DURATION) from None
+    if not 0.0 <= value <= MAX_DURATION_S:  # also NaN
+        raise Rejected(Problem.BAD_DURATION)
+    return value
+
+
+def _items(mapping: Any) -> list[tuple[Any, Any]]:
+    """The one read of a producer's mapping."""
+    if not isinstance(mapping, Mapping):
+        raise Rejected(Problem.MALFORMED)
+    try:
+        return list(mapping.items())
+    except Exception:
+        raise Rejected(Problem.MALFORMED) from None
+
+
+def pool_name(pool: Any, known: frozenset[str], corrections: list[Problem]) -> str:
+    """``pool`` as a plain string when it is a known pool, else ``other`` (noted once in ``corrections``)."""
+    try:
+        if pool in known:
+            return str(pool)
+    except TypeError:  # unhashable
+        pass
+    if Problem.UNKNOWN_POOL not in corrections:
+        corrections.append(Problem.UNKNOWN_POOL)
+    return sc.OTHER_POOL
+
+
+def pool_counts(mapping: Any, known: frozenset[str], limit: int, corrections: list[Problem]) -> list[tuple[str, int]]:
+    """``(pool, count)`` pairs from one read of ``mapping``; unknown pools summed under ``other``."""
+    out: dict[str, int] = {}
+    for pool, n in _items(mapping):
+        n = count(n, limit)
+        name = pool_name(pool, known, corrections)
+        out[name] = out.get(name, 0) + n
+    return list(out.items())
+
+
+def _label(value: Any, corrections: list[Problem]) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return str(value)[:MAX_LABEL_BYTES]
+    corrections.append(Problem.BAD_ATTRIBUTE)
+    return None
+
+
+def _links(value: Any, corrections: list[Problem]) -> tuple[SpanContext, ...]:
+    if not value:
+        return ()
+    try:
+        candidates = list(value)
+    except Exception:
+        corrections.append(Problem.BAD_LINK)
+        return ()
+    links = tuple(c for c in candidates if isinstance(c, SpanContext) and c.is_valid)
+    if len(links) != len(candidates):
+        corrections.append(Problem.BAD_LINK)
+    if len(links) > sc.MAX_LINKS:
+        corrections.append(Problem.LINKS_TRUNCATED)
+        links = links[: sc.MAX_LINKS]
+    return links
+
+
+def transfer(record: Any, known: frozenset[str]) -> Transfer:
+    """Check a :class:`~otel_hicache.records.TransferRecord` (or anything shaped like one)."""
+    if not isinstance(record, TransferRecord):
+        raise Rejected(Problem.MALFORMED)
+    (operation, tokens_by_pool, num_bytes, submit, complete, copy_s, source, merged, nodes, bytes_by_pool, policy,
+     backend, links) = record  # fmt: skip
+    try:
+        op = OPERATIONS.get(operation)
+    except TypeError:
+        op = None
+    if op is None:
+        raise Rejected(Problem.UNKNOWN_OPERATION)
+    corrections: list[Problem] = []
+    tokens = pool_counts(tokens_by_pool, known, MAX_TOKENS, corrections)
+    total_bytes = count(num_bytes, MAX_BYTES)
+    pool_bytes = None
+    if bytes_by_pool is not None:
+        pool_bytes = pool_counts(bytes_by_pool, known, MAX_BYTES, corrections)
+        if sum(n for _, n in pool_bytes) != total_bytes:
+            raise Rejected(Problem.BYTES_MISMATCH)
+    start, end = count(submit, 1 << 63), count(complete, 1 << 63)
+    if end < start:
+        raise Rejected(Problem.END_BEFORE_START)
+    try:
+        timing = TIMING_SOURCES.get(source)
+    except TypeError:
+        timing = None
+    if timing is None:
+        raise Rejected(Problem.UNKNOWN_TIMING_SOURCE)
+    seconds = None
+    if copy_s is None:
+        timing = TimingSource.NONE
+    else:
+        seconds = duration(copy_s)
+        if timing is TimingSource.NONE:  # a duration must say how it was measured
+            raise Rejected(Problem.UNKNOWN_TIMING_SOURCE)
+    return Transfer(
+        operation=op,
+        tokens=tokens,
+        num_bytes=total_bytes,
+        bytes_by_pool=pool_bytes,
+        submit_time_ns=start,
+        complete_time_ns=end,
+        copy_duration_s=seconds,
+        timing_source=timing,
+        merged_ops=count(merged),
+        node_count=count(nodes),
+        write_policy=_label(policy, corrections),
+        io_backend=_label(backend, corrections),
+        links=_links(links, corrections),
+        corrections=tuple(corrections),
+    )
+
+
+def failure(record: Any) -> tuple[TransferOperation, str]:
+    """``(operation, error.type)`` of a :class:`~otel_hicache.records.TransferFailure`."""
+    if not isinstance(record, TransferFailure):
+        raise Rejected(Problem.MALFORMED)
+    op = OPERATIONS.get(record.operation) if isinstance(record.operation, str) else None
+    if op is None:
+        raise Rejected(Problem.UNKNOWN_OPERATION)
+    error = record.error_type
+    return op, (str(error) if isinstance(error, str) and error in sc.TRANSFER_ERRORS else sc.OTHER_ERROR)
+
+
+def drop(record: Any, known: frozenset[str], corrections: list[Problem]) -> tuple[DropReason, list[tuple[str, int]]]:
+    if not isinstance(record, DropRecord):
+        raise Rejected(Problem.MALFORMED)
+    reason = REASONS.get(record.reason) if isinstance(record.reason, str) else None
+    if reason is None:
+        raise Rejected(Problem.UNKNOWN_REASON)
+    return reason, pool_counts(record.tokens_by_pool, known, MAX_TOKENS, corrections)
+
+
+def eviction(record: Any) -> tuple[Tier, int, float]:
+    if not isinstance(record, EvictionRecord):
+        raise Rejected(Problem.MALFORMED)
+    tier = TIERS.get(record.tier) if isinstance(record.tier, str) else None
+    if tier is None:
+        raise Rejected(Problem.UNKNOWN_TIER)
+    return tier, count(record.num_tokens), duration(record.duration_s)
+
+
+def prefix_split(record: Any) -> dict[PrefillMode, int]:
+    if not isinstance(record, PrefixSplit):
+        raise Rejected(Problem.MALFORMED)
+    return {mode: count(n) for mode, n in record.by_mode().items()}
+
+
+def pool_usages(
+    entries: Iterable[Any], known: frozenset[str], corrections: list[Problem]
+) -> list[tuple[Tier, str, int, int]]:
+    """``(tier, pool, used, limit)`` of each well-formed :class:`~otel_hicache.records.PoolUsage`; a bad entry
+    raises :class:`Rejected` for the whole reading of that source."""
+    out = []
+    for usage in list(entries):
+        if not isinstance(usage, PoolUsage):
+            raise Rejected(Problem.MALFORMED)
+        tier = TIERS.get(usage.tier) if isinstance(usage.tier, str) else None
+        if tier is None:
+            raise Rejected(Problem.UNKNOWN_TIER)
+        pool = pool_name(usage.pool, known, corrections)
+        used, limit = count(usage.used), count(usage.limit)
+        if used > limit:
+            raise Rejected(Problem.ABSURD_COUNT)
+        out.append((tier, pool, used, limit))
+    return out
