@@ -20,9 +20,9 @@ exported over OTLP instead (no in-process reader), the exact counters come from
 Definitions (the same as the dashboard's and the alert rules'):
 
 * **hit rate** of a tier: prefill tokens hit in that tier / all prefill tokens (computed + hit);
-* **L2 bandwidth** of an operation: its bytes / the sum of its copy durations (device-timed where CUDA events were
-  available, host clock otherwise). Bytes of transfers that had no timing are not in the numerator either when the
-  recorded spans cover the run; otherwise this is an upper bound;
+* **L2 bandwidth** of an operation: the bytes of its timed transfers / the sum of their copy durations (device-timed
+  where CUDA events were available, host clock otherwise). Untimed transfers are in neither (``hicache.transfer.size``
+  carries ``hicache.timing.source``, ``none`` for them);
 * **p50 / p99** copy duration: exact, from the recorded spans, when they cover every timed transfer of the
   operation; otherwise estimated from the histogram buckets the way Prometheus's ``histogram_quantile`` does.
 """
@@ -126,14 +126,16 @@ def summarize(setup: TelemetrySetup) -> Summary:
     tokens = {(op, pool): v for (op, pool), v in _pairs(counters.get(sc.METRIC_TRANSFER_TOKENS, {})).items()}
     bytes_by_operation: dict[str, int] = {}
     bytes_by_pool: dict[tuple[str, str], int] = {}
-    for key, value in counters.get(sc.METRIC_TRANSFER_SIZE, {}).items():
-        op = key[0]
+    timed_bytes: dict[str, int] = {}  # bytes of the transfers that have a copy duration
+    for (op, pool, timing), value in counters.get(sc.METRIC_TRANSFER_SIZE, {}).items():
         bytes_by_operation[op] = bytes_by_operation.get(op, 0) + value
-        if len(key) > 1 and key[1] is not None and value:
-            bytes_by_pool[(op, key[1])] = value
+        if pool is not None and value:
+            bytes_by_pool[(op, pool)] = bytes_by_pool.get((op, pool), 0) + value
+        if timing != sc.TimingSource.NONE.value:
+            timed_bytes[op] = timed_bytes.get(op, 0) + value
 
     spans = setup.recent_spans.spans() if setup.recent_spans is not None else []
-    span_durations, span_bytes = _span_durations(spans)
+    span_durations = _span_durations(spans)
     durations: dict[str, DurationStats] = {}
     bandwidth: dict[str, float] = {}
     for op, points in histograms.items():
@@ -144,17 +146,15 @@ def summarize(setup: TelemetrySetup) -> Summary:
         exact = span_durations.get(op, [])
         if len(exact) == count:  # the kept spans are every timed transfer: exact percentiles
             stats = DurationStats(count, total_s, _percentile(exact, 0.5), _percentile(exact, 0.99), "spans")
-            timed_bytes = span_bytes.get(op, 0)
         else:
             merged = _merge_buckets(points)
             stats = DurationStats(
                 count, total_s, _bucket_quantile(0.5, *merged), _bucket_quantile(0.99, *merged), "histogram"
             )
-            timed_bytes = bytes_by_operation.get(op, 0)
         timing = tuple(sorted({str((p.attributes or {}).get(sc.ATTR_TIMING_SOURCE)) for p in points if p.count}))
         durations[op] = dataclasses.replace(stats, timing_sources=timing)
         if total_s > 0:
-            bandwidth[op] = timed_bytes / total_s
+            bandwidth[op] = timed_bytes.get(op, 0) / total_s
 
     pipeline = {
         "rejected": sum(counters.get(sc.METRIC_RECORDS_REJECTED, {}).values()),
@@ -231,19 +231,16 @@ def _pairs(values: Mapping[tuple[Any, ...], int]) -> dict[tuple[str, str], int]:
     return {(str(k[0]), str(k[1])): v for k, v in values.items() if len(k) >= 2}
 
 
-def _span_durations(spans: Iterable[Any]) -> tuple[dict[str, list[float]], dict[str, int]]:
-    """Copy durations and bytes of the timed transfer spans, per operation."""
+def _span_durations(spans: Iterable[Any]) -> dict[str, list[float]]:
+    """Copy durations of the timed transfer spans, per operation."""
     durations: dict[str, list[float]] = {}
-    timed_bytes: dict[str, int] = {}
     for span in spans:
         attrs = span.attributes or {}
         duration = attrs.get(sc.ATTR_COPY_DURATION)
         op = attrs.get(sc.ATTR_OPERATION)
-        if duration is None or op is None:
-            continue
-        durations.setdefault(str(op), []).append(float(duration))
-        timed_bytes[str(op)] = timed_bytes.get(str(op), 0) + int(attrs.get(sc.ATTR_BYTES, 0))
-    return durations, timed_bytes
+        if duration is not None and op is not None:
+            durations.setdefault(str(op), []).append(float(duration))
+    return durations
 
 
 def _percentile(values: Sequence[float], q: float) -> float:

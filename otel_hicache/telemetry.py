@@ -110,6 +110,7 @@ class HiCacheTelemetry:
         self._interval_s = flush_interval_s
         self._warned: set[tuple[str, str]] = set()
         self._pool_sources: list[PoolSource] = []
+        self._pools_reported = False  # the gauges hold a reading (cleared once the last source is gone)
         self._deferred: collections.deque[tuple[Callable[[Any], TransferRecord], Any]] = collections.deque()
         self._building = False
         self._closed = False
@@ -399,7 +400,7 @@ class HiCacheTelemetry:
 
     def _read_pools(self) -> None:
         """Read every pool source (outside the lock: a source may be slow) and replace the gauges at once."""
-        if not self._pool_sources:
+        if not self._pool_sources and not self._pools_reported:
             return
         readings: dict[tuple[str, str], tuple[int, int]] = {}
         failures: list[tuple[int, int]] = []
@@ -419,6 +420,7 @@ class HiCacheTelemetry:
                 was = readings.get((tier.value, pool), (0, 0))
                 readings[(tier.value, pool)] = (was[0] + used, was[1] + limit)
         failures += [(self._normalized_slot[(RecordKind.POOL_USAGE, p)], 1) for p in corrections]
+        self._pools_reported = bool(readings)
         with self._lock:
             self._channel.counters.set_pools(readings)
             for slot, n in failures:

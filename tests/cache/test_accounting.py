@@ -42,7 +42,9 @@ def test_tokens_bytes_and_drops_match_the_copies(csdk, tmp_path, monkeypatch, po
 
     tokens = {k: v for k, v in snap[sc.METRIC_TRANSFER_TOKENS].items() if v}
     assert tokens == {k: v for k, v in slots.items() if k[1] != "draft"}  # sidecar tokens excluded
-    assert {k: v for k, v in snap[sc.METRIC_TRANSFER_SIZE].items() if v} == dict(nbytes)  # sidecar bytes included
+    size = {key: n for key, n in snap[sc.METRIC_TRANSFER_SIZE].items() if n}
+    assert {source for _, _, source in size} == {"host_clock"}  # every copy timed (host clock on a CPU)
+    assert {(op, pool): n for (op, pool, _), n in size.items()} == dict(nbytes)  # sidecar bytes included
     assert nbytes[("backup", "draft")] > 0 and ("backup", "draft") not in tokens
 
     reason = "host_pressure" if policy == "write_back" else "write_through_unbacked_eviction"
@@ -69,7 +71,8 @@ def test_sdk_metrics_and_spans_agree_with_the_copies(csdk, tmp_path) -> None:
     for (op, pool), n in slots.items():
         if pool != "draft":
             assert csdk.value(sc.METRIC_TRANSFER_TOKENS, {sc.ATTR_OPERATION: op, sc.ATTR_POOL: pool}) == n
-        assert csdk.value(sc.METRIC_TRANSFER_SIZE, {sc.ATTR_OPERATION: op, sc.ATTR_POOL: pool}) == nbytes[(op, pool)]
+        size = {sc.ATTR_OPERATION: op, sc.ATTR_POOL: pool, sc.ATTR_TIMING_SOURCE: "host_clock"}
+        assert csdk.value(sc.METRIC_TRANSFER_SIZE, size) == nbytes[(op, pool)]
 
     spans = csdk.finished_spans()
     by_op = collections.Counter(s.name for s in spans)

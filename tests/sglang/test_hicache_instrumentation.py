@@ -50,9 +50,9 @@ def otel_values(otel: Otel) -> dict[str, float]:
     dropped = snap[sc.METRIC_DROPPED_TOKENS]
     return {
         "backup_kv": tokens.get(("backup", "kv"), 0),
-        "backup_bytes": size.get(("backup", None), 0),
+        "backup_bytes": size.get(("backup", None, "none"), 0),
         "load_back_kv": tokens.get(("load_back", "kv"), 0),
-        "load_back_bytes": size.get(("load_back", None), 0),
+        "load_back_bytes": size.get(("load_back", None, "none"), 0),
         "evicted": snap[sc.METRIC_EVICTION_TOKENS].get(("device",), 0),
         "dropped_host_pressure": dropped.get(("host_pressure", "kv"), 0),
         "dropped_unbacked": dropped.get(("write_through_unbacked_eviction", "kv"), 0),

@@ -71,7 +71,7 @@ def test_storage_backup_and_prefetch_match_sglang_counters_and_the_bytes_on_disk
     assert on_disk == len(seq) * producer.cache_controller.storage_host_pool.size_per_token
     snap = instrumented.counters()
     assert snap[sc.METRIC_TRANSFER_TOKENS][("storage_backup", "kv")] == len(seq)
-    assert snap[sc.METRIC_TRANSFER_SIZE][("storage_backup", None)] == on_disk
+    assert snap[sc.METRIC_TRANSFER_SIZE][("storage_backup", None, "host_clock")] == on_disk
 
     # A second engine finds the prefix only in L3 and prefetches it into its host pool.
     consumer, _, _ = file_storage.build("write_through", metrics, kv_size=128, page_size=PAGE)
@@ -84,7 +84,7 @@ def test_storage_backup_and_prefetch_match_sglang_counters_and_the_bytes_on_disk
     assert prom("sglang:prefetched_tokens_total", STORAGE_LABELS) == len(seq)
     snap = instrumented.counters()
     assert snap[sc.METRIC_TRANSFER_TOKENS][("storage_prefetch", "kv")] == len(seq)
-    assert snap[sc.METRIC_TRANSFER_SIZE][("storage_prefetch", None)] == on_disk  # every stored page read back
+    assert snap[sc.METRIC_TRANSFER_SIZE][("storage_prefetch", None, "none")] == on_disk  # every stored page read back
 
     (backup,) = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.STORAGE_BACKUP])
     (prefetch,) = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.STORAGE_PREFETCH])
@@ -257,5 +257,5 @@ def test_swa_hybrid_backup_and_load_back_count_the_swa_pool_like_sglang(
     snap = instrumented.counters()
     tokens, size = snap[sc.METRIC_TRANSFER_TOKENS], snap[sc.METRIC_TRANSFER_SIZE]
     ours = {(op, pool): tokens.get((op, pool), 0) for op, pool in sglang if pool != "bytes"}
-    ours |= {(op, "bytes"): size.get((op, None), 0) for op in ("backup", "load_back")}
+    ours |= {(op, "bytes"): size.get((op, None, "none"), 0) for op in ("backup", "load_back")}  # untimed on CPU
     assert ours == sglang
