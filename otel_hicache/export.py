@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,36 +52,34 @@ class Emitter:
         meter = metrics.get_meter(sc.INSTRUMENTATION_SCOPE, __version__, meter_provider)
         self._histograms: dict[str, Any] = {}
         for spec in sc.INSTRUMENTS:
-            if spec.kind == "counter":
-                meter.create_observable_counter(spec.name, [self._counter_callback(spec.name)], spec.unit,
-                                                spec.description)  # fmt: skip
-            elif spec.kind == "histogram":
+            if spec.kind == "histogram":
                 self._histograms[spec.name] = meter.create_histogram(
                     spec.name, spec.unit, spec.description, explicit_bucket_boundaries_advisory=spec.buckets
                 )
+                continue
+            callback = _weak_callback(self, spec.name)
+            if spec.kind == "counter":
+                meter.create_observable_counter(spec.name, [callback], spec.unit, spec.description)
             else:
-                callback = self._usage if spec.name == sc.METRIC_POOL_USAGE else self._limit
                 meter.create_observable_up_down_counter(spec.name, [callback], spec.unit, spec.description)
         self._transfer_duration = self._histograms[sc.METRIC_TRANSFER_DURATION]
         self._eviction_duration = self._histograms[sc.METRIC_EVICTION_DURATION]
 
     # ------------------------------------------------------------------ metrics read at collection
-    def _counter_callback(self, name: str) -> Callable[[CallbackOptions], list[Observation]]:
-        def observe(_options: CallbackOptions) -> list[Observation]:
-            if name == sc.METRIC_TRANSFER_TOKENS:  # the first counter of a collection settles for all of them
-                self._prepare()
-            return [Observation(value, attrs) for value, attrs in self._counters.observations(name)]
-
-        return observe
-
-    def _prepare(self) -> None:
-        if self._before_collect is not None:
-            try:
+    def observe(self, name: str) -> list[Observation]:
+        """The points of instrument ``name`` now (the callbacks of the observable instruments)."""
+        if name == sc.METRIC_POOL_USAGE:
+            return self._usage()
+        if name == sc.METRIC_POOL_LIMIT:
+            return self._limit()
+        if name == sc.METRIC_TRANSFER_TOKENS and self._before_collect is not None:
+            try:  # the first counter of a collection settles for all of them
                 self._before_collect()
             except Exception:
                 _log.debug("otel_hicache: preparing a collection failed", exc_info=True)
+        return [Observation(value, attrs) for value, attrs in self._counters.observations(name)]
 
-    def _usage(self, _options: CallbackOptions) -> list[Observation]:
+    def _usage(self) -> list[Observation]:
         out = []
         for tier, pool, used, limit in self._counters.pools():
             base = {sc.ATTR_TIER: tier, sc.ATTR_POOL: pool}
@@ -88,7 +87,7 @@ class Emitter:
             out.append(Observation(limit - used, {**base, sc.ATTR_POOL_STATE: sc.PoolState.FREE.value}))
         return out
 
-    def _limit(self, _options: CallbackOptions) -> list[Observation]:
+    def _limit(self) -> list[Observation]:
         return [Observation(limit, {sc.ATTR_TIER: t, sc.ATTR_POOL: p}) for t, p, _, limit in self._counters.pools()]
 
     # ------------------------------------------------------------------ records
@@ -117,6 +116,18 @@ class Emitter:
                 self._transfer_duration.record(duration, attrs)
         if span is not None:
             span.end(end_time=record.complete_time_ns)
+
+
+def _weak_callback(emitter: Emitter, name: str) -> Callable[[CallbackOptions], list[Observation]]:
+    """A callback that does not keep the emitter alive: a provider outlives telemetries (the OTel API has no way to
+    unregister an instrument), and a dropped telemetry must free its memory; its instruments then report nothing."""
+    ref = weakref.ref(emitter)
+
+    def callback(_options: CallbackOptions) -> list[Observation]:
+        live = ref()
+        return [] if live is None else live.observe(name)
+
+    return callback
 
 
 def transfer_span_attributes(record: TransferRecord) -> dict[str, Any]:

@@ -84,6 +84,12 @@ class ExportProcess:
         ints = self._channel.ints
         return self._wait(lambda: ints[EXPORTER_DONE] != 0, timeout_s)
 
+    def before_fork(self) -> bool:
+        return False  # nothing of the export runs in this process
+
+    def after_fork_in_parent(self, held: bool) -> None:
+        return None
+
     def after_fork_in_child(self, channel: Channel) -> ExportProcess:
         """The child gets its own exporter later; closing the inherited pipe end leaves the parent's running."""
         if self._write_fd is not None:

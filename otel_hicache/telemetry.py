@@ -54,6 +54,8 @@ _log = logging.getLogger(__name__)
 SLICE_NS = 100_000
 #: The pause; long enough for a thread waiting on the GIL to be woken and take it.
 PAUSE_S = 0.0002
+#: How often the host thread looks for deferred records to build.
+DEFERRED_TICK_S = 0.02
 #: How often the host thread reads the pool-usage sources.
 POOL_INTERVAL_S = 1.0
 #: How long a read of the counters (snapshot, collection) waits for deferred records to be counted.
@@ -69,6 +71,8 @@ class Consumer(Protocol):
     def drain(self, budget_ns: int) -> bool: ...  # host thread's share of the work; True if more is waiting
     def flush(self, timeout_s: float) -> bool: ...
     def close(self, timeout_s: float) -> bool: ...
+    def before_fork(self) -> bool: ...  # hold what a forked child must not inherit mid-use; True if held
+    def after_fork_in_parent(self, held: bool) -> None: ...
     def after_fork_in_child(self, channel: Channel) -> Consumer: ...
 
 
@@ -120,9 +124,11 @@ class HiCacheTelemetry:
         self._channel = Channel(self._layout, max_queue, shared=consumer is not None)
         self._bind(self._channel)
         if consumer is None:
+            before_collect = weakref.WeakMethod(self._before_collect)  # the provider must not keep us alive
             self._consumer: Consumer = InProcessConsumer(
-                self._channel, tracer_provider, meter_provider, spans=spans, before_collect=self._before_collect
-            )
+                self._channel, tracer_provider, meter_provider, spans=spans,
+                before_collect=lambda: (before_collect() or _nothing)(),
+            )  # fmt: skip
         else:
             self._consumer = consumer(self._channel)
         self._consumer_started = False
@@ -344,18 +350,21 @@ class HiCacheTelemetry:
     def _run(self) -> None:
         """The host thread: builds deferred records, reads pool sources, and (in-process) emits spans, each in
         slices of at most SLICE_NS with a pause after each, so the scheduler thread never waits long for the GIL."""
-        next_pools = 0.0
-        tick = min(self._interval_s, 0.02)
+        next_pools = next_drain = 0.0
+        tick = min(self._interval_s, DEFERRED_TICK_S)
         while not self._closed:
             self._wake.wait(tick)
             self._wake.clear()
             busy = self._build_deferred(SLICE_NS)
-            if self._pool_sources and time.monotonic() >= next_pools:
-                next_pools = time.monotonic() + POOL_INTERVAL_S
+            now = time.monotonic()
+            if self._pool_sources and now >= next_pools:
+                next_pools = now + POOL_INTERVAL_S
                 self._read_pools()
                 busy = True
-            if self._consumer_started:
-                busy = self._consumer.drain(SLICE_NS) or busy
+            if self._consumer_started and (now >= next_drain or self._channel.pending() > self._max_queue // 2):
+                if not self._consumer.drain(SLICE_NS):
+                    next_drain = now + self._interval_s  # drained: back in one flush interval
+                busy = True
             if busy:
                 time.sleep(PAUSE_S)
                 self._wake.set()  # more may be waiting: come back after the pause, not after a tick
@@ -427,13 +436,16 @@ class HiCacheTelemetry:
                 self._ints[slot] += n
 
     # ------------------------------------------------------------------ fork
-    def _before_fork(self) -> bool:
-        """Hold the producer lock across fork, so the child never inherits a half-written slot or counter."""
-        return self._lock.acquire(timeout=1.0)
+    def _before_fork(self) -> tuple[bool, bool]:
+        """Hold the consumer (no span half-emitted in the SDK) and the producer lock (no half-written slot or counter)
+        across fork. Bounded: a fork from inside our own code proceeds after a second."""
+        consumer = self._consumer.before_fork()
+        return consumer, self._lock.acquire(timeout=1.0)
 
-    def _after_fork_in_parent(self, held: bool) -> None:
-        if held:
+    def _after_fork_in_parent(self, held: tuple[bool, bool]) -> None:
+        if held[1]:
             self._lock.release()
+        self._consumer.after_fork_in_parent(held[0])
 
     def _after_fork_in_child(self) -> None:
         """Start from zero, as a new process: new lock, table and ring, no threads; the parent's are untouched."""
@@ -501,6 +513,13 @@ class InProcessConsumer:
     def close(self, timeout_s: float) -> bool:
         return self.flush(timeout_s)
 
+    def before_fork(self) -> bool:
+        return self._emit_lock.acquire(timeout=1.0)
+
+    def after_fork_in_parent(self, held: bool) -> None:
+        if held:
+            self._emit_lock.release()
+
     def after_fork_in_child(self, channel: Channel) -> Consumer:
         self._emit_lock = threading.Lock()  # the channel was reset in place: the emitter reads the child's counts
         return self
@@ -513,9 +532,13 @@ class InProcessConsumer:
                 _log.debug("otel_hicache: emitting a record failed", exc_info=True)
 
 
+def _nothing() -> None:
+    return None
+
+
 # ---------------------------------------------------------------------- process-wide hooks (weak: no instance leaks)
 _LIVE: weakref.WeakSet[HiCacheTelemetry] = weakref.WeakSet()
-_HELD: list[tuple[HiCacheTelemetry, bool]] = []
+_HELD: list[tuple[HiCacheTelemetry, tuple[bool, bool]]] = []
 
 
 def _before_fork() -> None:

@@ -1,0 +1,203 @@
+"""Hostile records: each mapping is read once, a record is counted whole or not at all, nothing re-enters or leaks."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+from opentelemetry.trace import SpanContext, TraceFlags
+
+from otel_hicache import semconv as sc
+from otel_hicache.records import PoolUsage, TransferRecord
+from otel_hicache.semconv import Tier, TimingSource, TransferOperation
+from otel_hicache.telemetry import HiCacheTelemetry
+from tests.conftest import Sdk, make_sdk
+
+T0 = 1_700_000_000_000_000_000
+
+
+def backup(tokens: Any, num_bytes: Any = 100, **kw: Any) -> TransferRecord:
+    fields: dict[str, Any] = {
+        "operation": TransferOperation.BACKUP,
+        "tokens_by_pool": tokens,
+        "num_bytes": num_bytes,
+        "submit_time_ns": T0,
+        "complete_time_ns": T0 + 1000,
+        "copy_duration_s": 0.001,
+        "timing_source": TimingSource.HOST_CLOCK,
+    }
+    fields.update(kw)
+    return TransferRecord(**fields)
+
+
+def kv(sdk: Sdk) -> Any:
+    return sdk.telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS].get(("backup", "kv"), 0)
+
+
+def rejected(sdk: Sdk, problem: str, kind: str = "transfer") -> int:
+    return sdk.telemetry.snapshot()[sc.METRIC_RECORDS_REJECTED].get((kind, problem), 0)
+
+
+class Shifty(Mapping[str, int]):
+    """A mapping whose values change every time it is read."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __getitem__(self, key: str) -> int:
+        return 10 * self.reads
+
+    def __iter__(self) -> Iterator[str]:
+        self.reads += 1
+        return iter(["kv", f"pool-{self.reads}"])
+
+    def __len__(self) -> int:
+        return 2
+
+
+class Exploding(Mapping[str, int]):
+    """A mapping that raises half-way through being read."""
+
+    def __getitem__(self, key: str) -> int:
+        if key == "swa":
+            raise RuntimeError("pool freed under us")
+        return 7
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(["kv", "swa"])
+
+    def __len__(self) -> int:
+        return 2
+
+
+def test_a_mapping_that_changes_between_reads_is_read_once_and_counted_as_read(sdk: Sdk) -> None:
+    tokens = Shifty()
+    sdk.telemetry.record_transfer(backup(tokens))
+    assert tokens.reads == 1
+    snap = sdk.telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS]
+    assert snap[("backup", "kv")] == 10 and snap[("backup", "other")] == 10  # never negative, no new pool name
+    (span,) = sdk.finished_spans()
+    assert span.attributes["hicache.transfer.tokens.kv"] == 10  # the span shows what was counted
+
+
+def test_a_mapping_that_raises_half_way_is_refused_whole(sdk: Sdk, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="otel_hicache"):
+        sdk.telemetry.record_transfer(backup(Exploding()))
+    assert kv(sdk) == 0  # nothing of it counted, not even the kv part read before the error
+    assert rejected(sdk, "malformed") == 1
+    assert sdk.finished_spans() == []
+    assert "nothing of it was counted" in caplog.text
+
+
+def test_a_mapping_that_calls_back_into_the_telemetry_cannot_deadlock_it(sdk: Sdk) -> None:
+    class Reentrant(Mapping[str, int]):
+        def __getitem__(self, key: str) -> int:
+            sdk.telemetry.record_transfer(backup({"kv": 1}))  # re-enters while being validated
+            sdk.telemetry.snapshot()
+            return 5
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(["kv"])
+
+        def __len__(self) -> int:
+            return 1
+
+    caller = threading.Thread(target=sdk.telemetry.record_transfer, args=(backup(Reentrant()),))
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive(), "re-entrant record deadlocked the telemetry"
+    assert kv(sdk) == 6
+    other = threading.Thread(target=sdk.telemetry.record_transfer, args=(backup({"kv": 1}),))
+    other.start()
+    other.join(10)
+    assert not other.is_alive() and kv(sdk) == 7  # every other thread still gets through
+
+
+def test_numpy_and_torch_scalars_become_plain_ints_and_floats(sdk: Sdk, caplog: pytest.LogCaptureFixture) -> None:
+    torch = pytest.importorskip("torch")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(100):
+            sdk.telemetry.record_transfer(
+                backup({"kv": np.int64(16), "swa": torch.tensor(4)}, np.uint32(2000), copy_duration_s=np.float32(0.25),
+                       merged_ops=np.int16(3), node_count=np.int64(2))
+            )  # fmt: skip
+        spans = sdk.finished_spans()
+        sdk.metrics()
+    assert kv(sdk) == 1600
+    assert len(spans) == 100
+    attrs = spans[0].attributes
+    for name in ("hicache.transfer.tokens.kv", "hicache.transfer.tokens.swa", "hicache.transfer.bytes",
+                 "hicache.transfer.merged_ops", "hicache.transfer.nodes"):  # fmt: skip
+        assert type(attrs[name]) is int, name
+    assert type(attrs["hicache.transfer.copy_duration"]) is float
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]  # no SDK type warnings
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"timing_source": "sundial"}, "unknown_timing_source"),
+        ({"copy_duration_s": 0.5, "timing_source": TimingSource.NONE}, "unknown_timing_source"),
+        ({"copy_duration_s": "0.5"}, "bad_duration"),
+        ({"merged_ops": -1}, "negative_count"),
+        ({"node_count": 1.5}, "bad_count"),
+    ],
+)
+def test_a_record_that_could_not_yield_its_span_is_refused_not_silently_half_kept(
+    sdk: Sdk, fields: dict[str, Any], problem: str
+) -> None:
+    sdk.telemetry.record_transfer(backup({"kv": 3}, **fields))
+    assert kv(sdk) == 0 and rejected(sdk, problem) == 1
+    assert sdk.finished_spans() == []
+
+
+def test_a_link_that_is_not_a_span_context_is_left_out_and_counted(sdk: Sdk) -> None:
+    good = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    sdk.telemetry.record_transfer(backup({"kv": 3}, links=(good, "trace-123", None)))
+    (span,) = sdk.finished_spans()
+    assert [link.context.span_id for link in span.links] == [0xDEF]
+    normalized = sdk.telemetry.snapshot()[sc.METRIC_RECORDS_NORMALIZED]
+    assert normalized[("transfer", "bad_link")] == 1
+    assert kv(sdk) == 3
+
+
+def test_one_bad_pool_source_among_good_ones_is_skipped_and_counted(sdk: Sdk) -> None:
+    sdk.telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.HOST, "kv", 10, 100)])
+    sdk.telemetry.add_pool_usage_source(lambda: [PoolUsage("attic", "kv", 1, 2)])  # type: ignore[arg-type]
+    sdk.telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.DEVICE, "kv", 5, 4)])  # more used than there is
+    sdk.telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.DEVICE, "swa", 3, 8)])
+    assert sdk.value(sc.METRIC_POOL_LIMIT, {sc.ATTR_TIER: "host", sc.ATTR_POOL: "kv"}) == 100
+    assert sdk.value(sc.METRIC_POOL_LIMIT, {sc.ATTR_TIER: "device", sc.ATTR_POOL: "swa"}) == 8
+    assert sdk.value(sc.METRIC_POOL_LIMIT, {sc.ATTR_TIER: "device", sc.ATTR_POOL: "kv"}) is None
+    assert rejected(sdk, "unknown_tier", "pool_usage") >= 1
+    assert rejected(sdk, "absurd_count", "pool_usage") >= 1
+
+
+def test_a_burst_far_past_the_queue_keeps_counters_exact_and_counts_every_lost_span() -> None:
+    sdk = make_sdk(max_queue=64, flush_interval_s=3600)
+    for _ in range(64 * 20):
+        sdk.telemetry.record_transfer(backup({"kv": 2}))
+    assert kv(sdk) == 2 * 64 * 20
+    spans = len(sdk.finished_spans())
+    dropped = sdk.telemetry.snapshot()[sc.METRIC_RECORDS_DROPPED][("transfer",)]
+    assert spans >= 64 and spans + dropped == 64 * 20
+    sdk.telemetry.shutdown()
+
+
+def test_no_telemetry_instance_outlives_its_last_reference() -> None:
+    refs = []
+    for _ in range(5):
+        telemetry = HiCacheTelemetry(spans=False)
+        telemetry.record_transfer(backup({"kv": 1}))
+        telemetry.record_transfer_deferred(lambda _: backup({"kv": 1}), None)
+        telemetry.shutdown(1)
+        refs.append(weakref.ref(telemetry))
+        del telemetry
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
