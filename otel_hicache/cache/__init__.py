@@ -17,8 +17,9 @@ Run the demo workload (CPU, a temporary L3 directory)::
 Modules, one job each: :mod:`.pools` (device / host buffers and page allocators per pool kind),
 :mod:`.controller` (merged D<->H transfers, streams, timing events, FIFO acks), :mod:`.radix` (the tree),
 :mod:`.hicache` (policies: write-through / selective / write-back, eviction, drops, load back, prefix split),
-:mod:`.storage` (L3 files, background backup / prefetch), :mod:`.content` (page names and the stand-in model's KV),
-:mod:`.workload` (seeded chat workload), :mod:`.demo` (:func:`run_demo`).
+:mod:`.storage` (L3 files in per-model namespaces, checked on every read; background backup / prefetch),
+:mod:`.content` (page names and the stand-in model's KV), :mod:`.workload` (seeded chat workload), :mod:`.demo`
+(:func:`run_demo`).
 """
 
 from otel_hicache.cache.demo import DemoResult, run_demo

@@ -104,8 +104,10 @@ class HiCache:
         self.per_node = frozenset(s.name for s in config.pools if s.per_node)
         self.tree = RadixTree(ps, self.per_node)
         self.controller = CacheController(self.device, self.host, telemetry, write_policy=self.policy.value)
+        # The stand-in model's KV is a function of its seed: that is its identity in the L3 namespace.
+        model = f"otel-hicache-stand-in/seed={config.seed}"
         self.store = (
-            FileStore(config.storage_dir, self.host, telemetry, queue_size=config.storage_queue)
+            FileStore(config.storage_dir, self.host, telemetry, model=model, queue_size=config.storage_queue)
             if config.storage_dir is not None
             else None
         )
@@ -338,7 +340,8 @@ class HiCache:
             job = completed.popleft()
             entry = self._storage_jobs.pop(id(job), None)
             if entry is not None:
-                _, n, remaining = entry
+                n: Node | None = entry[1]
+                remaining = entry[2]
                 while remaining > 0 and n is not None:
                     n.host_lock -= 1
                     remaining -= n.num_tokens

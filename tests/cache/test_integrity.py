@@ -31,15 +31,14 @@ def test_l3_files_hold_the_pages_they_are_named_after(csdk, tmp_path) -> None:
         run_workload(cache, 60)
         by_name = {name: node for node in cache.tree.nodes.values() for name in node.names}
         files = list(tmp_path.rglob("*.kv"))
-        assert files
+        assert files and {p.parent.parent for p in files} == {cache.store.namespace}
         for path in files:
-            payload = cache.store._read_file(path)
-            assert payload is not None  # header, length and checksum all good
+            cache.store._read_entry(path.stem)  # raises unless header, size and checksum are all good
         # A stored page read into fresh host memory equals the model's KV for that page name.
         name = next(n for n in by_name if cache.store.contains(n))
         value, _ = cache.host.alloc(1, False)
         assert value is not None
-        cache.store._load_payload(value, 0, cache.store._read_file(cache.store._path(name)))
+        cache.store._load_payload(value, 0, cache.store._read_entry(name))
         for pool in ("kv", "draft"):
             assert torch.equal(read_value(cache.host, value, pool), expected_value(cache, pool, [name]))
         assert not list(tmp_path.rglob("*.tmp"))  # atomic writes leave no temporaries

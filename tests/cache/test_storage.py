@@ -18,6 +18,7 @@ from otel_hicache.semconv import Tier, TransferOperation
 from tests.cache.conftest import POOLS
 
 PS = 4
+MODEL = "test-model"
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def _failures(csdk) -> dict:
 
 
 def test_backups_and_prefetches_run_concurrently_and_round_trip(csdk, tmp_path, host) -> None:
-    store = FileStore(tmp_path, host, csdk.telemetry, queue_size=64)
+    store = FileStore(tmp_path, host, csdk.telemetry, model=MODEL, queue_size=64)
     jobs = []
     for seed in range(8):
         names = _names(seed, 6)
@@ -75,7 +76,7 @@ def test_backups_and_prefetches_run_concurrently_and_round_trip(csdk, tmp_path, 
 
 
 def test_shutdown_with_work_in_flight_cancels_cleanly(csdk, tmp_path, host) -> None:
-    store = FileStore(tmp_path, host, csdk.telemetry, queue_size=64)
+    store = FileStore(tmp_path, host, csdk.telemetry, model=MODEL, queue_size=64)
     jobs = []
     for seed in range(20):
         names = _names(seed, 5)
@@ -89,12 +90,12 @@ def test_shutdown_with_work_in_flight_cancels_cleanly(csdk, tmp_path, host) -> N
     assert written + cancelled == 20
     assert not list(tmp_path.rglob("*.tmp"))
     for path in tmp_path.rglob("*.kv"):
-        assert store._read_file(path) is not None  # whatever was written is whole
+        store._read_entry(path.stem)  # whatever was written is whole: this raises otherwise
     assert not store.submit(StorageJob(TransferOperation.STORAGE_BACKUP, 99, _names(99, 1), jobs[0].host_value))
 
 
 def test_a_failing_write_is_a_failure_and_a_log_line_never_an_entry(csdk, tmp_path, host, monkeypatch, caplog) -> None:
-    store = FileStore(tmp_path, host, csdk.telemetry)
+    store = FileStore(tmp_path, host, csdk.telemetry, model=MODEL)
 
     def disk_full(src: str, dst: str) -> None:  # a fault we cannot cause here: the disk filling up
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -115,9 +116,10 @@ def test_a_failing_write_is_a_failure_and_a_log_line_never_an_entry(csdk, tmp_pa
 
 def test_a_store_directory_replaced_by_a_file_fails_writes_without_crashing(csdk, tmp_path, host) -> None:
     root = tmp_path / "l3"
-    store = FileStore(root, host, csdk.telemetry)
+    store = FileStore(root, host, csdk.telemetry, model=MODEL)
     names = _names(2, 2)
-    (root / names[0][:2]).write_bytes(b"not a directory")  # a real fault: the entry's parent is a regular file
+    store.namespace.mkdir()
+    (store.namespace / names[0][:2]).write_bytes(b"not a directory")  # a real fault: a file for a directory
     job = StorageJob(TransferOperation.STORAGE_BACKUP, 2, names, _fill(host, names))
     store.submit(job)
     assert job.done.wait(10)
@@ -127,7 +129,7 @@ def test_a_store_directory_replaced_by_a_file_fails_writes_without_crashing(csdk
 
 
 def test_a_corrupted_entry_is_never_served(csdk, tmp_path, host) -> None:
-    store = FileStore(tmp_path, host, csdk.telemetry)
+    store = FileStore(tmp_path, host, csdk.telemetry, model=MODEL)
     names = _names(3, 3)
     job = StorageJob(TransferOperation.STORAGE_BACKUP, 3, names, _fill(host, names))
     store.submit(job)
@@ -149,7 +151,7 @@ def test_a_corrupted_entry_is_never_served(csdk, tmp_path, host) -> None:
 
 
 def test_a_full_queue_is_a_failure_not_a_block(csdk, tmp_path, host) -> None:
-    store = FileStore(tmp_path, host, csdk.telemetry, queue_size=1)
+    store = FileStore(tmp_path, host, csdk.telemetry, model=MODEL, queue_size=1)
     big = _names(4, 100)
     value = _fill(host, big)
     results = [store.submit(StorageJob(TransferOperation.STORAGE_BACKUP, i, big, value)) for i in range(6)]
