@@ -391,16 +391,16 @@ class FileStore:
         by_pool = {n: slots * self.host.pools[n].spec.bytes_per_slot for n in self.pools}
         self.telemetry.record_transfer(
             TransferRecord(
-                op,
-                tokens,
-                sum(by_pool.values()),
-                submit_ns,
-                now_ns(),
-                seconds,
-                TimingSource.HOST_CLOCK,
-                1,
-                1,
-                by_pool,
+                operation=op,
+                tokens_by_pool=tokens,
+                num_bytes=sum(by_pool.values()),
+                submit_time_ns=submit_ns,
+                complete_time_ns=now_ns(),
+                copy_duration_s=seconds,
+                timing_source=TimingSource.HOST_CLOCK,
+                merged_ops=1,
+                node_count=1,
+                bytes_by_pool=by_pool,
                 io_backend="file",
             )
         )
