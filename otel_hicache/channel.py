@@ -101,10 +101,8 @@ class Channel:
     # ------------------------------------------------------------------ producer (host, under its lock)
     def _claim(self) -> int | None:
         ints = self.ints
-        write = ints[WRITE]
-        if write - ints[READ] >= self.capacity:
-            return None
-        return write
+        write: int = ints[WRITE]
+        return None if write - ints[READ] >= self.capacity else write
 
     def _label(self, value: str | None) -> bytes:
         encoded = self._labels.get(value)
@@ -119,21 +117,26 @@ class Channel:
         write = self._claim()
         if write is None:
             return False
-        buf, index = self.bytes, self._pool_index
+        buf, index, labels = self.bytes, self._pool_index, self._labels
         offset = self.ring_offset + (write % self.capacity) * self.slot
-        pools: dict[str, list[int]] = {pool: [n, -1] for pool, n in t.tokens}
-        if t.bytes_by_pool is not None:
-            for pool, n in t.bytes_by_pool:
+        split = t.bytes_by_pool is not None
+        if split:  # (tokens, bytes) per pool; a pool may have bytes and no tokens (a sidecar)
+            pools: dict[str, list[int]] = {pool: [n, -1] for pool, n in t.tokens}
+            for pool, n in t.bytes_by_pool or ():
                 pools.setdefault(pool, [-1, -1])[1] = n
+            entries = [(index[pool], n, size) for pool, (n, size) in pools.items()]
+        else:
+            entries = [(index[pool], n, -1) for pool, n in t.tokens]
         links = t.links
         duration = math.nan if t.copy_duration_s is None else t.copy_duration_s
+        policy = labels.get(t.write_policy) or self._label(t.write_policy)
+        backend = labels.get(t.io_backend) or self._label(t.io_backend)
         _FIXED.pack_into(buf, offset, _KIND_TRANSFER, _OP_INDEX[t.operation], _SOURCE_INDEX[t.timing_source],
-                         len(pools), len(links), t.bytes_by_pool is not None, 0, t.submit_time_ns,
-                         t.complete_time_ns, duration, t.num_bytes, t.merged_ops, t.node_count,
-                         self._label(t.write_policy), self._label(t.io_backend))  # fmt: skip
+                         len(entries), len(links), split, 0, t.submit_time_ns, t.complete_time_ns, duration,
+                         t.num_bytes, t.merged_ops, t.node_count, policy, backend)  # fmt: skip
         at = offset + _FIXED.size
-        for pool, (tokens, size) in pools.items():
-            _POOL.pack_into(buf, at, index[pool], tokens, size)
+        for entry in entries:
+            _POOL.pack_into(buf, at, *entry)
             at += _POOL.size
         for link in links:
             _LINK.pack_into(buf, at, link.trace_id.to_bytes(16, "big"), link.span_id.to_bytes(8, "big"),

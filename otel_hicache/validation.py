@@ -112,8 +112,15 @@ def pool_name(pool: Any, known: frozenset[str], corrections: list[Problem]) -> s
 
 def pool_counts(mapping: Any, known: frozenset[str], limit: int, corrections: list[Problem]) -> list[tuple[str, int]]:
     """``(pool, count)`` pairs from one read of ``mapping``; unknown pools summed under ``other``."""
+    items = _items(mapping)
+    if type(mapping) is dict:  # the common case, checked without copying: unique keys, plain ints, known pools
+        for pool, n in items:
+            if type(n) is not int or not 0 <= n <= limit or type(pool) is not str or pool not in known:
+                break
+        else:
+            return items
     out: dict[str, int] = {}
-    for pool, n in _items(mapping):
+    for pool, n in items:
         n = count(n, limit)
         name = pool_name(pool, known, corrections)
         out[name] = out.get(name, 0) + n
@@ -121,8 +128,8 @@ def pool_counts(mapping: Any, known: frozenset[str], limit: int, corrections: li
 
 
 def _label(value: Any, corrections: list[Problem]) -> str | None:
-    if value is None:
-        return None
+    if value is None or (type(value) is str and len(value) <= MAX_LABEL_BYTES):
+        return value
     if isinstance(value, str):
         return str(value)[:MAX_LABEL_BYTES]
     corrections.append(Problem.BAD_ATTRIBUTE)
@@ -160,13 +167,14 @@ def transfer(record: Any, known: frozenset[str]) -> Transfer:
         raise Rejected(Problem.UNKNOWN_OPERATION)
     corrections: list[Problem] = []
     tokens = pool_counts(tokens_by_pool, known, MAX_TOKENS, corrections)
-    total_bytes = count(num_bytes, MAX_BYTES)
+    total_bytes = num_bytes if type(num_bytes) is int and 0 <= num_bytes <= MAX_BYTES else count(num_bytes, MAX_BYTES)
     pool_bytes = None
     if bytes_by_pool is not None:
         pool_bytes = pool_counts(bytes_by_pool, known, MAX_BYTES, corrections)
         if sum(n for _, n in pool_bytes) != total_bytes:
             raise Rejected(Problem.BYTES_MISMATCH)
-    start, end = count(submit, 1 << 63), count(complete, 1 << 63)
+    start = submit if type(submit) is int and submit >= 0 else count(submit, 1 << 63)
+    end = complete if type(complete) is int and complete >= start else count(complete, 1 << 63)
     if end < start:
         raise Rejected(Problem.END_BEFORE_START)
     try:
@@ -179,24 +187,24 @@ def transfer(record: Any, known: frozenset[str]) -> Transfer:
     if copy_s is None:
         timing = TimingSource.NONE
     else:
-        seconds = duration(copy_s)
+        seconds = copy_s if type(copy_s) is float and 0.0 <= copy_s <= MAX_DURATION_S else duration(copy_s)
         if timing is TimingSource.NONE:  # a duration must say how it was measured
             raise Rejected(Problem.UNKNOWN_TIMING_SOURCE)
-    return Transfer(
-        operation=op,
-        tokens=tokens,
-        num_bytes=total_bytes,
-        bytes_by_pool=pool_bytes,
-        submit_time_ns=start,
-        complete_time_ns=end,
-        copy_duration_s=seconds,
-        timing_source=timing,
-        merged_ops=count(merged),
-        node_count=count(nodes),
-        write_policy=_label(policy, corrections),
-        io_backend=_label(backend, corrections),
-        links=_links(links, corrections),
-        corrections=tuple(corrections),
+    return Transfer(  # positional, with inline checks for the plain case: this runs for every transfer
+        op,
+        tokens,
+        total_bytes,
+        pool_bytes,
+        start,
+        end,
+        seconds,
+        timing,
+        merged if type(merged) is int and 0 <= merged <= MAX_TOKENS else count(merged),
+        nodes if type(nodes) is int and 0 <= nodes <= MAX_TOKENS else count(nodes),
+        _label(policy, corrections),
+        _label(backend, corrections),
+        _links(links, corrections) if links else (),
+        tuple(corrections),
     )
 
 
