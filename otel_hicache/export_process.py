@@ -37,7 +37,8 @@ _log = logging.getLogger(__name__)
 _LAUNCHER = (
     "import os, sys\n"
     "if os.fork():\n    os._exit(0)\n"
-    "os.execv(sys.executable, [sys.executable, '-m', 'otel_hicache.export_process', *sys.argv[1:]])\n"
+    "os.execv(sys.executable, [sys.executable, '-c', 'import sys; from otel_hicache.export_process import main; "
+    "main(sys.argv[1:])', *sys.argv[1:]])\n"
 )
 #: How often the exporter looks at the ring when the host sends nothing.
 POLL_INTERVAL_S = 0.1
@@ -146,27 +147,45 @@ def child_resource(attributes: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- the exporter's side
-class _OncePerMessage(logging.Filter):
-    """Each distinct log message once: a dead collector gets one line, not one per export attempt."""
+class OncePerLogger(logging.Filter):
+    """One line per logger: a dead collector gets one line, not one per export attempt (the SDK's own
+    ``otel.sdk.*`` metrics count every failed export)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._seen: set[tuple[str, str]] = set()
+        self._seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key = (record.name, str(record.msg))
-        if key in self._seen:
+        if record.name in self._seen:
             return False
-        self._seen.add(key)
-        return len(self._seen) < 1000
+        self._seen.add(record.name)
+        return True
+
+
+#: The SDK loggers that speak once per failed export; :func:`quiet_exporters` lets one line of each through.
+EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+    "opentelemetry.sdk._shared_internal",
+    "opentelemetry.sdk.metrics._internal.export",
+)
+
+
+def quiet_exporters() -> None:
+    """A dead collector costs one log line per kind of failure, not one per export attempt (idempotent)."""
+    for name in EXPORTER_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, OncePerLogger) for f in logger.filters):
+            logger.addFilter(OncePerLogger())
 
 
 def main(argv: list[str]) -> None:
     read_fd, channel_fd, config = int(argv[0]), int(argv[1]), json.loads(argv[2])
     handler = logging.StreamHandler()
-    handler.addFilter(_OncePerMessage())
     handler.setFormatter(logging.Formatter("otel_hicache export process %(process)d: %(name)s: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    quiet_exporters()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # the container is going away: last export, then exit
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the host
@@ -216,7 +235,3 @@ def main(argv: list[str]) -> None:
         ints[EXPORTER_DONE] = 1
         logging.shutdown()
         os._exit(0)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

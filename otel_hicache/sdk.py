@@ -58,7 +58,7 @@ from opentelemetry.sdk.trace.export import (
 
 from otel_hicache import semconv as sc
 from otel_hicache.channel import Channel
-from otel_hicache.export_process import ExportProcess
+from otel_hicache.export_process import ExportProcess, quiet_exporters
 from otel_hicache.telemetry import HiCacheTelemetry
 
 DEFAULT_SERVICE_NAME = "otel-hicache"
@@ -328,6 +328,8 @@ def configure(
     if env is os.environ:
         os.environ.setdefault(_INTERNAL_METRICS_ENV, "true")
 
+    if "otlp" in (traces_kind, metrics_kind):
+        quiet_exporters()
     resource = build_resource(service_name, ranks, resource_attributes)
     plan = {
         "resource": dict(resource.attributes),
