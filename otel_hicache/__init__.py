@@ -42,16 +42,12 @@ from otel_hicache.records import (
     PrefixSplit,
     TransferFailure,
     TransferRecord,
-    prefix_split,
-    split_cached_prefix_by_tier,
 )
-from otel_hicache.semconv import DropReason, PrefillMode, Tier, TimingSource, TransferOperation
-from otel_hicache.timing import elapsed_seconds, make_timing_event_pair, now_ns
-
-__version__ = "0.1.0"
-
 from otel_hicache.sdk import ConfigError, TelemetrySetup, configure
+from otel_hicache.semconv import DropReason, PrefillMode, Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
+from otel_hicache.timing import elapsed_seconds, make_timing_event_pair, now_ns
+from otel_hicache.version import __version__
 
 __all__ = [
     "ConfigError",
@@ -73,6 +69,4 @@ __all__ = [
     "elapsed_seconds",
     "make_timing_event_pair",
     "now_ns",
-    "prefix_split",
-    "split_cached_prefix_by_tier",
 ]
