@@ -132,6 +132,7 @@ class HiCacheTelemetry:
         meter_provider: metrics.MeterProvider | None = None,
         *,
         pools: Iterable[str] = (sc.DEFAULT_POOL,),
+        extra_pools: Iterable[str] = (),
         max_queue: int = 65_536,
         flush_interval_s: float = 0.2,
         spans: bool = True,
@@ -142,6 +143,7 @@ class HiCacheTelemetry:
             raise ValueError("max_queue must be >= 1 and flush_interval_s > 0")
         self._tracer = trace.get_tracer(sc.INSTRUMENTATION_SCOPE, __version__, tracer_provider)
         meter = metrics.get_meter(sc.INSTRUMENTATION_SCOPE, __version__, meter_provider)
+        self._known_pools = sc.POOLS | frozenset(extra_pools)  # placeholder: the lead's core bounds and validates it
         self._spans = spans
         self._max_queue = max_queue
         self._flush_interval_s = flush_interval_s
@@ -396,7 +398,7 @@ class HiCacheTelemetry:
 
     # ------------------------------------------------------------------ internals
     def _pool_name(self, pool: Any, kind: str) -> str:
-        if pool in sc.POOLS:
+        if pool in self._known_pools:
             return str(pool)
         key = (kind, "unknown_pool")
         with self._lock:
@@ -408,7 +410,7 @@ class HiCacheTelemetry:
         """``by_pool`` itself when every pool is known and every count sane (no allocation); else a normalized copy
         (unknown pools summed under ``other``, integer-like counts as int) or _Reject."""
         for pool, n in by_pool.items():
-            if type(n) is not int or not 0 <= n <= limit or pool not in sc.POOLS:
+            if type(n) is not int or not 0 <= n <= limit or pool not in self._known_pools:
                 break
         else:
             return by_pool
@@ -417,7 +419,7 @@ class HiCacheTelemetry:
             n = _count(n)
             if n > limit:
                 raise _Reject("absurd_count")
-            if pool not in sc.POOLS:
+            if pool not in self._known_pools:
                 pool = self._pool_name(pool, kind)
             out[pool] = out.get(pool, 0) + n
         return out
