@@ -1,8 +1,9 @@
 """The otel_hicache vocabulary: every metric name, unit, attribute key, closed value set and bucket list.
 
-Nothing else in the package spells a name. Attribute values are closed sets, so the number of series is
-bounded by ``operations x pools x reasons`` whatever a producer sends: an unknown pool name is reported as
-``other`` (see :data:`POOLS`).
+Engine-neutral: nothing else in the core spells a name, and an engine's own names (its pool names, how its metrics
+map onto ours) live in its integration, e.g. :mod:`otel_hicache.integrations.sglang.semconv`. Attribute values are
+closed sets, so the number of series is bounded by ``operations x pools x reasons`` whatever a producer sends: an
+unknown pool name is reported as ``other`` (see :data:`POOLS`).
 """
 
 from __future__ import annotations
