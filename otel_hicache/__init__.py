@@ -31,8 +31,10 @@ Time a copy the way SGLang does, on the device where CUDA is present, without sy
 Instrument SGLang with no code change: ``opentelemetry-instrument python -m sglang.launch_server
 --enable-hierarchical-cache ...`` (see :mod:`otel_hicache.integrations.sglang`).
 
-Modules: :mod:`~otel_hicache.semconv` (every name), :mod:`~otel_hicache.timing`, :mod:`~otel_hicache.records`,
-:mod:`~otel_hicache.telemetry`, :mod:`~otel_hicache.sdk`.
+Modules: :mod:`~otel_hicache.semconv` (every engine-neutral name), :mod:`~otel_hicache.timing`,
+:mod:`~otel_hicache.records`, :mod:`~otel_hicache.telemetry`, :mod:`~otel_hicache.sdk`;
+:mod:`~otel_hicache.integrations` (engine adapters), :mod:`~otel_hicache.cache` (a reference tiered cache),
+:mod:`~otel_hicache.testing` (helpers for tests and benchmarks).
 """
 
 from otel_hicache.records import (

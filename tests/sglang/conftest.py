@@ -14,14 +14,13 @@ from typing import Any
 import pytest
 
 from otel_hicache.testing.sdk import Sdk, make_sdk
+from otel_hicache.testing.sglang import FileStorage, file_storage, install_cpu_shims
 
 
 @pytest.fixture(scope="session")
 def cpu_sglang() -> Iterator[None]:
     """Install the CPU shims for the whole session (restored at the end)."""
     pytest.importorskip("sglang")
-    from otel_hicache.testing.sglang import install_cpu_shims
-
     restore = install_cpu_shims()
     yield
     restore()
@@ -55,10 +54,8 @@ def instrumented(cpu_sglang: None, otel: Sdk) -> Iterator[Sdk]:
     instrumentor.uninstrument()
 
 
-@pytest.fixture
-def file_storage(cpu_sglang: None, tmp_path: Path) -> Iterator[Any]:
-    from otel_hicache.testing.sglang import file_storage
-
+@pytest.fixture(name="file_storage")
+def file_storage_fixture(cpu_sglang: None, tmp_path: Path) -> Iterator[FileStorage]:
     with file_storage(tmp_path / "l3") as storage:
         yield storage
 
