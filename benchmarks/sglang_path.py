@@ -20,10 +20,9 @@ around the ``flush_pending_backups()`` calls (the submission site, where the ins
 * naive OTel SDK: SGLang's ``_log_write_ack_metrics`` replaced by one span + counters + histogram per ack;
 * otel_hicache: ``SGLangHiCacheInstrumentor().instrument(telemetry=...)`` (spans on; OTLP to a child process).
 
-CPU shims (the same three as tests/sglang/conftest.py): ``pool_host.mha.transfer_kv_direct`` (a CUDA kernel op)
-becomes the same index copy in torch; ``ALLOC_MEMORY_FUNCS["cpu"]`` allocates without cudaHostRegister; the
-test kit's ``get_device`` returns ``"cpu"``. On CPU, ``torch.cpu.Event`` cannot time, so SGLang's acks carry
-``timing_enabled=False`` and no duration is observed on any path.
+CPU shims and the cache builder: :mod:`otel_hicache.testing.sglang` (the SGLang tests use the same). On CPU,
+``torch.cpu.Event`` cannot time, so SGLang's acks carry ``timing_enabled=False`` and no duration is observed on any
+path.
 """
 
 from __future__ import annotations
@@ -87,41 +86,6 @@ def _run_elsewhere(smoke: bool, command: str) -> Table | None:
     return table
 
 
-# ---------------------------------------------------------------------------------------------------- CPU shims
-def _transfer_kv_direct(src_layers: list, dst_layers: list, src_indices: Any, dst_indices: Any, page_size: int = 1):
-    for src, dst in zip(src_layers, dst_layers, strict=True):
-        dst.index_copy_(0, dst_indices.to(dst.device), src.index_select(0, src_indices.to(src.device)))
-
-
-def _alloc_plain(dims: tuple, dtype: Any, device: str, pin_memory: bool, allocator: Any, *_: Any, **__: Any) -> Any:
-    return allocator.allocate(dims, dtype=dtype, device=device)
-
-
-def _install_cpu_shims() -> None:
-    import sglang.srt.mem_cache.pool_host.common as common
-    import sglang.srt.mem_cache.pool_host.mha as mha
-    import sglang.test.kits.unified_radix_cache.fixtures as kit
-
-    mha.transfer_kv_direct = _transfer_kv_direct
-    common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_plain
-    kit.get_device = lambda *_a, **_k: "cpu"
-
-
-def _build_cache(kv_size: int, page_size: int = 16) -> tuple[Any, Any]:
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-    from sglang.test.kits.unified_radix_cache.config import CacheConfig
-    from sglang.test.kits.unified_radix_cache.fixtures import build_fixture, drop_hicache_atexit_pin
-
-    cfg = CacheConfig(page_size=page_size, kv_size=kv_size, num_layers=2, full_attention_layer_ids=(0, 1))
-    cache, allocator, _ = build_fixture(cfg)
-    server_args = ServerArgs(model_path="dummy", page_size=page_size, hicache_io_backend="direct",
-                             hicache_mem_layout="layer_first", hicache_write_policy="write_through")  # fmt: skip
-    set_global_server_args_for_scheduler(server_args)
-    cache.init_hicache(server_args, cache.cache_init_params)
-    drop_hicache_atexit_pin(cache)
-    return cache, allocator
-
-
 # ---------------------------------------------------------------------------------------------------- the run
 @dataclass
 class _Path:
@@ -138,8 +102,10 @@ class _Path:
 def _run(params: Params, command: str) -> Table:
     import logging
 
+    from otel_hicache.testing.sglang import build_hicache, install_cpu_shims
+
     logging.getLogger("sglang").setLevel(logging.ERROR)
-    _install_cpu_shims()
+    install_cpu_shims()
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector
@@ -183,7 +149,8 @@ def _run(params: Params, command: str) -> Table:
     seq = [0]
 
     def block(path: _Path, record: bool) -> None:
-        cache, allocator = _build_cache(kv_size)  # before instrument(): init_hicache is wrapped too
+        # before instrument(): init_hicache is wrapped too
+        cache, allocator, _ = build_hicache("write_through", kv_size=kv_size, page_size=16)
         path.setup(cache)
         cc = cache.cache_controller
         clock, check = time.thread_time_ns, cache.writing_check

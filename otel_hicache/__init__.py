@@ -31,8 +31,10 @@ Time a copy the way SGLang does, on the device where CUDA is present, without sy
 Instrument SGLang with no code change: ``opentelemetry-instrument python -m sglang.launch_server
 --enable-hierarchical-cache ...`` (see :mod:`otel_hicache.integrations.sglang`).
 
-Modules: :mod:`~otel_hicache.semconv` (every name), :mod:`~otel_hicache.timing`, :mod:`~otel_hicache.records`,
-:mod:`~otel_hicache.telemetry`, :mod:`~otel_hicache.sdk`.
+Modules: :mod:`~otel_hicache.semconv` (every engine-neutral name), :mod:`~otel_hicache.timing`,
+:mod:`~otel_hicache.records`, :mod:`~otel_hicache.telemetry`, :mod:`~otel_hicache.sdk`;
+:mod:`~otel_hicache.integrations` (engine adapters), :mod:`~otel_hicache.cache` (a reference tiered cache),
+:mod:`~otel_hicache.testing` (helpers for tests and benchmarks).
 """
 
 from otel_hicache.records import (
@@ -42,16 +44,12 @@ from otel_hicache.records import (
     PrefixSplit,
     TransferFailure,
     TransferRecord,
-    prefix_split,
-    split_cached_prefix_by_tier,
 )
-from otel_hicache.semconv import DropReason, PrefillMode, Tier, TimingSource, TransferOperation
-from otel_hicache.timing import elapsed_seconds, make_timing_event_pair, now_ns
-
-__version__ = "0.1.0"
-
 from otel_hicache.sdk import ConfigError, TelemetrySetup, configure
+from otel_hicache.semconv import DropReason, PrefillMode, Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
+from otel_hicache.timing import elapsed_seconds, make_timing_event_pair, now_ns
+from otel_hicache.version import __version__
 
 __all__ = [
     "ConfigError",
@@ -73,6 +71,4 @@ __all__ = [
     "elapsed_seconds",
     "make_timing_event_pair",
     "now_ns",
-    "prefix_split",
-    "split_cached_prefix_by_tier",
 ]

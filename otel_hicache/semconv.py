@@ -1,8 +1,9 @@
 """The otel_hicache vocabulary: every metric name, unit, attribute key, closed value set and bucket list.
 
-Nothing else in the package spells a name. Attribute values are closed sets, so the number of series is
-bounded by ``operations x pools x reasons`` whatever a producer sends: an unknown pool name is reported as
-``other`` (see :data:`POOLS`).
+Engine-neutral: nothing else in the core spells a name, and an engine's own names (its pool names, how its metrics
+map onto ours) live in its integration, e.g. :mod:`otel_hicache.integrations.sglang.semconv`. Attribute values are
+closed sets, so the number of series is bounded by ``operations x pools x reasons`` whatever a producer sends: an
+unknown pool name is reported as ``other`` (see :data:`POOLS`).
 """
 
 from __future__ import annotations
@@ -67,24 +68,11 @@ class PoolState(_StrEnum):
     FREE = "free"
 
 
-#: Pool kinds, after SGLang's ``PoolName`` plus ``draft`` (speculative-decoding piggyback). Any other name a
-#: producer reports is counted as ``other``, with a one-time warning and a self-metric.
-POOLS: Final[frozenset[str]] = frozenset(
-    {
-        "kv",
-        "swa",
-        "auxiliary_swa",
-        "mamba",
-        "indexer",
-        "draft",
-        "deepseek_v4_c1",
-        "deepseek_v4_c1_indexer",
-        "deepseek_v4_c1_indexer_scale",
-        "deepseek_v4_c2",
-        "deepseek_v4_c2_indexer",
-        "deepseek_v4_c2_indexer_scale",
-    }
-)
+#: Engine-neutral pool kinds: full-attention KV, sliding-window KV, recurrent (mamba / SSM) state, the sparse-attention
+#: indexer and the speculative-decoding draft model's KV. An engine adapter declares its own pool names on top
+#: (``HiCacheTelemetry(extra_pools=...)``; SGLang's are in :mod:`otel_hicache.integrations.sglang.semconv`). Any other
+#: name a producer reports is counted as ``other``, with a one-time warning and a self-metric.
+POOLS: Final[frozenset[str]] = frozenset({"kv", "swa", "mamba", "indexer", "draft"})
 OTHER_POOL: Final = "other"
 DEFAULT_POOL: Final = "kv"
 
@@ -260,27 +248,3 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
 # --------------------------------------------------------------------------- spans
 SPAN_NAMES: Final[dict[TransferOperation, str]] = {op: f"hicache.{op.value}" for op in TransferOperation}
 INSTRUMENTATION_SCOPE: Final = "otel_hicache"
-
-# --------------------------------------------------------------------------- SGLang mapping
-#: Every ``sglang:*`` HiCache series and the otel_hicache series that carries the same quantity. Prometheus names
-#: are what the Collector's ``prometheus`` exporter produces from our OTel names.
-SGLANG_SERIES: Final[tuple[tuple[str, str], ...]] = (
-    ("sglang:hicache_backup_tokens_total{pool}",
-     'hicache_transfer_tokens_total{hicache_operation="backup",hicache_pool}'),
-    ("sglang:hicache_backup_bytes_total", 'hicache_transfer_size_bytes_total{hicache_operation="backup"}'),
-    ("sglang:hicache_backup_duration_seconds", 'hicache_transfer_duration_seconds{hicache_operation="backup"}'),
-    ("sglang:load_back_tokens_total{pool}",
-     'hicache_transfer_tokens_total{hicache_operation="load_back",hicache_pool}'),
-    ("sglang:load_back_bytes_total", 'hicache_transfer_size_bytes_total{hicache_operation="load_back"}'),
-    ("sglang:load_back_duration_seconds", 'hicache_transfer_duration_seconds{hicache_operation="load_back"}'),
-    ("sglang:hicache_dropped_tokens_total{reason,pool}",
-     "hicache_dropped_tokens_total{hicache_drop_reason,hicache_pool}"),
-    ("sglang:evicted_tokens_total", 'hicache_eviction_tokens_total{hicache_tier="device"}'),
-    ("sglang:eviction_duration_seconds", 'hicache_eviction_duration_seconds{hicache_tier="device"}'),
-    ("sglang:prefill_effective_tokens_total{mode}", "hicache_prefill_tokens_total{hicache_prefill_mode}"),
-    ("sglang:hicache_host_used_tokens", 'hicache_pool_usage{hicache_tier="host",hicache_pool_state="used"}'),
-    ("sglang:hicache_host_total_tokens", 'hicache_pool_limit{hicache_tier="host"}'),
-    ("sglang:prefetched_tokens_total",
-     'hicache_transfer_tokens_total{hicache_operation="storage_prefetch"}'),
-    ("sglang:backuped_tokens_total", 'hicache_transfer_tokens_total{hicache_operation="storage_backup"}'),
-)  # fmt: skip

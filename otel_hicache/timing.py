@@ -1,8 +1,9 @@
 """Copy timing and clocks.
 
-* :func:`make_timing_event_pair` returns ``(start, finish, timing_enabled)``: two ``torch.cuda.Event`` created with
-  ``enable_timing=True`` where CUDA is available, else two :class:`HostClockEvent` with the same
-  ``record / query / synchronize / elapsed_time`` interface. Record them on the transfer stream right around the
+* :func:`make_timing_event_pair` returns ``(start, finish, source)``: two ``torch.cuda.Event`` created with
+  ``enable_timing=True`` where CUDA is available (``source`` is ``TimingSource.CUDA_EVENT``), else two
+  :class:`HostClockEvent` with the same ``record / query / synchronize / elapsed_time`` interface
+  (``TimingSource.HOST_CLOCK``). Record them on the transfer stream right around the
   copy loop; the duration then covers the copy only.
 * :func:`elapsed_seconds` reads a duration only from a pair whose finish event is already complete (``query()``),
   so it never synchronises the device. A pair that cannot time gives ``None``, never a made-up number.

@@ -1,3 +1,3 @@
-"""The package version: the single source (the build reads it, the instruments report it)."""
+"""The package version: the one place it is written (the build reads it from here)."""
 
 __version__ = "0.1.0"

@@ -3,7 +3,8 @@
 #   - .venv        the project + test extras (scripts/setup.sh)
 #   - .venv-sglang the real SGLang 0.5.23 HiCache classes on CPU (scripts/setup-sglang-venv.sh)
 #   - prometheus + promtool from Debian (apt-get, when missing)
-# Set SKIP_SGLANG=1 to skip the SGLang suite (and its ~3 GB venv).
+# Lint (ruff), types (mypy), then the tests (doctests of every module included).
+# Set SKIP_SGLANG=1 to skip the SGLang suite (and its ~6 GB venv).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -24,6 +25,7 @@ fi
 status=0
 .venv/bin/ruff check . || status=1
 .venv/bin/ruff format --check . || status=1
+.venv/bin/mypy || status=1  # otel_hicache and benchmarks, configured in pyproject.toml
 
 .venv/bin/python -m pytest -p no:cacheprovider -m "not sglang" "$@"
 rc=$?; [[ $rc -eq 0 ]] || status=$rc

@@ -101,6 +101,11 @@ class CacheController:
         self.load_queue.append(_Op(host_value, device_value, node_id))
         return device_value
 
+    def cancel_loads(self, count: int) -> None:
+        """Take back the last ``count`` queued loads, not yet issued (their device slots are the caller's to free)."""
+        if count > 0:
+            del self.load_queue[-count:]
+
     def start_writing(self) -> None:
         if self.write_queue:
             ops, self.write_queue = self.write_queue, []
@@ -145,18 +150,18 @@ class CacheController:
             done.extend(ack.node_ids)
             record_transfer(
                 TransferRecord(
-                    op,
-                    ack.tokens_by_pool,
-                    ack.num_bytes,
-                    ack.submit_ns,
-                    now_ns(),
-                    elapsed_seconds(ack.start, ack.finish),
-                    ack.source,
-                    ack.merged_ops,
-                    len(ack.node_ids),
-                    ack.bytes_by_pool,
-                    self.write_policy,
-                    self.io_backend,
+                    operation=op,
+                    tokens_by_pool=ack.tokens_by_pool,
+                    num_bytes=ack.num_bytes,
+                    submit_time_ns=ack.submit_ns,
+                    complete_time_ns=now_ns(),
+                    copy_duration_s=elapsed_seconds(ack.start, ack.finish),
+                    timing_source=ack.source,
+                    merged_ops=ack.merged_ops,
+                    node_count=len(ack.node_ids),
+                    bytes_by_pool=ack.bytes_by_pool,
+                    write_policy=self.write_policy,
+                    io_backend=self.io_backend,
                 )
             )
         return done
@@ -234,7 +239,9 @@ class CacheController:
 
     def _fail(self, op: TransferOperation, error: str, value: Value, group: PoolGroup) -> None:
         tokens = {name: len(pages) * group.pools[name].page_size for name, pages in value.items()}
-        self.telemetry.record_failure(TransferFailure(op, error, tokens, now_ns()))
+        self.telemetry.record_failure(
+            TransferFailure(operation=op, error_type=error, tokens_by_pool=tokens, time_ns=now_ns())
+        )
 
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -142,7 +142,7 @@ def _result(cache: HiCache, served: int, wall: float, device: str, policy: str) 
             nbytes[op][pool] += n
     if cache.store is not None:
         failures = {f"{op}/{err}": n for (op, err), n in cache.store.stats.failures.items()}
-    dropped_by_pool = {r.value: {} for r in DropReason}
+    dropped_by_pool: dict[str, dict[str, int]] = {r.value: {} for r in DropReason}
     for (reason, pool), n in cache.stats.dropped.items():
         dropped_by_pool[reason][pool] = n
     return DemoResult(

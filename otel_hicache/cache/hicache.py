@@ -29,7 +29,7 @@ from otel_hicache.cache.controller import CacheController
 from otel_hicache.cache.pools import PoolGroup, PoolSpec, Value, value_slots
 from otel_hicache.cache.radix import Node, RadixTree
 from otel_hicache.cache.storage import FileStore, StorageJob
-from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferFailure, prefix_split
+from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferFailure
 from otel_hicache.semconv import DropReason, Tier, TransferOperation, WritePolicy
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import now_ns
@@ -166,7 +166,12 @@ class HiCache:
                 last = self._move_lock(last, node)
                 path.append(node)
         self._apply_write_policy(path)
-        split = prefix_split(len(tokens), prefix_len, host_len + storage_len, storage_len)
+        split = PrefixSplit(
+            input_tokens=len(tokens) - prefix_len,
+            device_hit=match.device_len,
+            host_hit=host_len,
+            storage_hit=storage_len,
+        )
         self.telemetry.record_prefix_split(split)
         for mode, n in split.by_mode().items():
             self.stats.prefix[mode.value] += n
@@ -313,7 +318,12 @@ class HiCache:
         value, _ = self.host.alloc(pages, False)
         if value is None:
             self.telemetry.record_failure(
-                TransferFailure(TransferOperation.STORAGE_PREFETCH, "host_pool_full", {"kv": pages * ps}, now_ns())
+                TransferFailure(
+                    operation=TransferOperation.STORAGE_PREFETCH,
+                    error_type="host_pool_full",
+                    tokens_by_pool={self.host.anchor: pages * ps},
+                    time_ns=now_ns(),
+                )
             )
             return None
         first = pos // ps
@@ -367,8 +377,7 @@ class HiCache:
             if value is None:  # all or nothing: give back what this path took, nothing was issued yet
                 for _, v in loaded:
                     self.device.free(v)
-                if loaded:
-                    del self.controller.load_queue[-len(loaded) :]
+                self.controller.cancel_loads(len(loaded))
                 return False
             loaded.append((node, value))
         for node, value in loaded:
@@ -464,16 +473,18 @@ class HiCache:
                 self.host.free(n.host)
             self.tree.remove(n)
         if reason is not None:
-            tokens = {pool: n for pool, n in freed.items() if n}
-            self.telemetry.record_drop(DropRecord(reason, tokens, now_ns()))
-            for pool, n in tokens.items():
-                self.stats.dropped[(reason.value, pool)] += n
+            tokens = {pool: slots for pool, slots in freed.items() if slots}
+            self.telemetry.record_drop(DropRecord(reason=reason, tokens_by_pool=tokens, time_ns=now_ns()))
+            for pool, slots in tokens.items():
+                self.stats.dropped[(reason.value, pool)] += slots
         return True
 
     def _record_eviction(self, tier: Tier, freed: int, start: float) -> None:
         if freed:
             duration = time.perf_counter() - start
-            self.telemetry.record_eviction(EvictionRecord(tier, freed, duration, now_ns()))
+            self.telemetry.record_eviction(
+                EvictionRecord(tier=tier, num_tokens=freed, duration_s=duration, time_ns=now_ns())
+            )
             self.stats.evicted[tier.value] += freed
             self.stats.evictions[tier.value] += 1
 

@@ -165,7 +165,7 @@ class PoolGroup:
     def usage(self) -> Iterator[PoolUsage]:
         for name in self.owning:
             pool = self.pools[name]
-            yield PoolUsage(self.tier, name, pool.slots - pool.free_slots, pool.slots)
+            yield PoolUsage(tier=self.tier, pool=name, used=pool.slots - pool.free_slots, limit=pool.slots)
 
 
 def value_slots(group: PoolGroup, value: Mapping[str, list[int]]) -> dict[str, int]:

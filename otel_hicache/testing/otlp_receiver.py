@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
@@ -27,6 +27,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 ExportTraceRequest = trace_service_pb2.ExportTraceServiceRequest
 ExportMetricsRequest = metrics_service_pb2.ExportMetricsServiceRequest
+_Receiver = TypeVar("_Receiver", bound="OtlpReceiver")  # start() / __enter__ return a subclass as itself
 
 
 class OtlpReceiver:
@@ -44,7 +45,7 @@ class OtlpReceiver:
         self._http: ThreadingHTTPServer | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> OtlpReceiver:
+    def start(self: _Receiver) -> _Receiver:
         receiver = self
 
         class Traces(trace_service_pb2_grpc.TraceServiceServicer):
@@ -107,7 +108,7 @@ class OtlpReceiver:
             self._http.server_close()
             self._http = None
 
-    def __enter__(self) -> OtlpReceiver:
+    def __enter__(self: _Receiver) -> _Receiver:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -8,8 +8,8 @@ import pytest
 
 from otel_hicache import semconv as sc
 from otel_hicache.cache.hicache import HiCache
-from otel_hicache.records import split_cached_prefix_by_tier
-from tests.cache.conftest import run_workload, small_config
+from otel_hicache.integrations.sglang import split_cached_prefix_by_tier
+from tests.cache.support import run_workload, small_config
 
 
 def _copied(cache: HiCache) -> tuple[collections.Counter, collections.Counter]:
@@ -74,7 +74,7 @@ def test_sdk_metrics_and_spans_agree_with_the_copies(csdk, tmp_path) -> None:
         size = {sc.ATTR_OPERATION: op, sc.ATTR_POOL: pool, sc.ATTR_TIMING_SOURCE: "host_clock"}
         assert csdk.value(sc.METRIC_TRANSFER_SIZE, size) == nbytes[(op, pool)]
 
-    spans = csdk.finished_spans()
+    spans = csdk.spans()
     by_op = collections.Counter(s.name for s in spans)
     assert by_op["hicache.backup"] == cache.controller.stats.transfers["backup"]  # one span per merged transfer
     assert by_op["hicache.load_back"] == cache.controller.stats.transfers["load_back"]
@@ -104,7 +104,7 @@ def test_pool_usage_is_reported_per_tier_and_pool(csdk, tmp_path) -> None:
         cache.close()
 
 
-def test_prefix_split_agrees_with_split_cached_prefix_by_tier(csdk, tmp_path) -> None:
+def test_prefix_split_agrees_with_sglang_split_cached_prefix_by_tier(csdk, tmp_path) -> None:
     cache = HiCache(small_config(tmp_path, "write_back"), csdk.telemetry)
     from otel_hicache.cache.workload import WorkloadConfig, requests
 

@@ -8,7 +8,7 @@ from otel_hicache import semconv as sc
 from otel_hicache.cache.controller import CacheController, _runs
 from otel_hicache.cache.pools import PoolGroup
 from otel_hicache.semconv import Tier
-from tests.cache.conftest import POOLS
+from tests.cache.support import POOLS
 
 
 def _groups(host_tokens: int = 64) -> tuple[PoolGroup, PoolGroup]:
@@ -28,7 +28,7 @@ def test_pending_writes_merge_into_one_transfer_counted_like_sglang(csdk) -> Non
     ctl.start_writing()
     assert len(ctl.ack_write_queue) == 1
     assert ctl.poll_writes() == [1, 2]
-    [span] = csdk.finished_spans()
+    [span] = csdk.spans()
     attrs = span.attributes
     assert attrs[sc.ATTR_MERGED_OPS] == 2 and attrs[sc.ATTR_NODES] == 2
     assert attrs[f"{sc.ATTR_TOKENS}.kv"] == 20 and attrs[f"{sc.ATTR_TOKENS}.mamba"] == 1
@@ -51,7 +51,7 @@ def test_acks_complete_in_fifo_order_one_record_each(csdk) -> None:
         ctl.start_writing()
     assert ctl.poll_writes() == [1, 2, 3] and ctl.poll_writes() == []
     assert csdk.telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")] == 12
-    assert len(csdk.finished_spans()) == 3
+    assert len(csdk.spans()) == 3
 
 
 def test_a_full_pool_returns_none_and_records_the_failure(csdk) -> None:

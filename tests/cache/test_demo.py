@@ -10,7 +10,7 @@ import pytest
 
 from otel_hicache import semconv as sc
 from otel_hicache.cache.demo import DEMO_POOLS, run_demo
-from tests.conftest import make_sdk
+from otel_hicache.testing.sdk import make_sdk
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 from otel_hicache import semconv as sc
 from otel_hicache.cache.demo import run_demo
 from otel_hicache.cache.hicache import HiCache
-from tests.cache.conftest import run_workload, small_config, verify_tree
+from tests.cache.support import run_workload, small_config, verify_tree
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,7 +27,7 @@ def test_cuda_cache_uses_streams_events_and_pinned_memory(csdk, tmp_path) -> Non
         assert verify_tree(cache)["host/kv"] > 0
     finally:
         cache.close()
-    spans = csdk.finished_spans()
+    spans = csdk.spans()
     transfers = [s for s in spans if s.name in ("hicache.backup", "hicache.load_back")]
     assert transfers and all(s.attributes[sc.ATTR_TIMING_SOURCE] == "cuda_event" for s in transfers)
     assert all(s.attributes[sc.ATTR_COPY_DURATION] >= 0 for s in transfers)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from otel_hicache.cache.hicache import HiCache
-from tests.cache.conftest import expected_value, read_value, run_workload, small_config, verify_tree
+from tests.cache.support import expected_value, read_value, run_workload, small_config, verify_tree
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])

@@ -6,7 +6,7 @@ import pytest
 
 from otel_hicache import semconv as sc
 from otel_hicache.cache.hicache import CacheConfig, HiCache
-from tests.cache.conftest import small_config
+from tests.cache.support import small_config
 
 A = list(range(100, 132))  # 8 pages
 B = list(range(200, 232))

@@ -15,7 +15,7 @@ from otel_hicache.cache.content import page_content, page_hashes
 from otel_hicache.cache.pools import PoolGroup
 from otel_hicache.cache.storage import FileStore, StorageJob
 from otel_hicache.semconv import Tier, TransferOperation
-from tests.cache.conftest import POOLS
+from tests.cache.support import POOLS
 
 PS = 4
 MODEL = "test-model"

@@ -26,7 +26,7 @@ from otel_hicache.cache.pools import PoolGroup
 from otel_hicache.cache.storage import FileStore, StorageJob
 from otel_hicache.semconv import Tier, TransferOperation
 from tests.cache.conftest import POOLS, expected_value, read_value, small_config, verify_tree
-from tests.conftest import make_sdk
+from otel_hicache.testing.sdk import make_sdk
 
 REPO = Path(__file__).parents[2]
 PS = 4

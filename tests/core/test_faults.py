@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -11,6 +10,7 @@ from otel_hicache import semconv as sc
 from otel_hicache.records import TransferRecord
 from otel_hicache.sdk import configure
 from otel_hicache.semconv import TransferOperation
+from otel_hicache.testing import free_port
 from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
 
 #: The most one record call may take with a broken pipeline. A call that waited on an export would take the
@@ -21,12 +21,6 @@ CALLER_BOUND_S = 0.5
 
 def record(tokens: int = 4) -> TransferRecord:
     return TransferRecord(TransferOperation.BACKUP, {"kv": tokens}, tokens * 100, 1, 2, 0.001, "host_clock")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tokens_received(rx: OtlpReceiver) -> int | None:

@@ -20,7 +20,7 @@ from otel_hicache.records import (
     TransferRecord,
 )
 from otel_hicache.semconv import DropReason, PrefillMode, Tier, TimingSource, TransferOperation
-from tests.conftest import Sdk, make_sdk
+from otel_hicache.testing.sdk import Sdk, make_sdk
 
 T0 = 1_700_000_000_000_000_000
 
@@ -164,7 +164,7 @@ class TestSpans:
             backup({"kv": 16, "swa": 4}, 5000, bytes_by_pool={"kv": 4096, "swa": 904}, write_policy="write_back",
                    io_backend="kernel")
         )  # fmt: skip
-        (span,) = sdk.finished_spans()
+        (span,) = sdk.spans()
         assert span.name == "hicache.backup"
         assert span.kind == trace.SpanKind.INTERNAL
         assert span.start_time == T0 and span.end_time == T0 + 3_000_000
@@ -189,11 +189,11 @@ class TestSpans:
     @pytest.mark.parametrize("op", list(TransferOperation))
     def test_span_name_follows_the_operation(self, sdk: Sdk, op: TransferOperation) -> None:
         sdk.telemetry.record_transfer(backup(operation=op))
-        assert [s.name for s in sdk.finished_spans()] == [f"hicache.{op.value}"]
+        assert [s.name for s in sdk.spans()] == [f"hicache.{op.value}"]
 
     def test_untimed_transfer_has_no_copy_duration_and_says_so(self, sdk: Sdk) -> None:
         sdk.telemetry.record_transfer(backup(copy_duration_s=None, timing_source=TimingSource.CUDA_EVENT))
-        (span,) = sdk.finished_spans()
+        (span,) = sdk.spans()
         assert "hicache.transfer.copy_duration" not in span.attributes
         assert span.attributes["hicache.timing.source"] == "none"
 
@@ -202,14 +202,14 @@ class TestSpans:
         with tracer.start_as_current_span("request-a") as a, tracer.start_as_current_span("request-b") as b:
             contexts = (a.get_span_context(), b.get_span_context())
         sdk.telemetry.record_transfer(backup(links=contexts))
-        transfer = next(s for s in sdk.finished_spans() if s.name == "hicache.backup")
+        transfer = next(s for s in sdk.spans() if s.name == "hicache.backup")
         assert [link.context for link in transfer.links] == list(contexts)
 
     def test_request_span_carries_the_prefix_split(self, sdk: Sdk) -> None:
         tracer = sdk.tracer_provider.get_tracer("server")
         with tracer.start_as_current_span("request") as span:
             sdk.telemetry.record_prefix_split(PrefixSplit(12, 30, 20, 10), request_span=span)
-        (request,) = sdk.finished_spans()
+        (request,) = sdk.spans()
         assert {k: v for k, v in request.attributes.items() if k.startswith("hicache.")} == {
             "hicache.prefix.tokens.input": 12,
             "hicache.prefix.tokens.device_hit": 30,
@@ -219,7 +219,7 @@ class TestSpans:
 
     def test_duration_exemplar_points_at_the_transfer_trace(self, sdk: Sdk) -> None:
         sdk.telemetry.record_transfer(backup())
-        (span,) = sdk.finished_spans()
+        (span,) = sdk.spans()
         (point,) = sdk.points(sc.METRIC_TRANSFER_DURATION).values()
         assert [e.trace_id for e in point.exemplars] == [span.context.trace_id]
 
@@ -227,7 +227,7 @@ class TestSpans:
         sdk = make_sdk(sampler=ALWAYS_OFF)
         for _ in range(5):
             sdk.telemetry.record_transfer(backup())
-        assert sdk.finished_spans() == []
+        assert sdk.spans() == []
         assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 80
         (point,) = sdk.points(sc.METRIC_TRANSFER_DURATION).values()
         assert point.count == 5
@@ -235,14 +235,14 @@ class TestSpans:
     def test_spans_off_keeps_metrics(self) -> None:
         sdk = make_sdk(spans=False)
         sdk.telemetry.record_transfer(backup())
-        assert sdk.finished_spans() == []
+        assert sdk.spans() == []
         assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 16
 
     def test_spans_are_created_off_the_calling_thread(self, sdk: Sdk) -> None:
         sdk.telemetry.record_transfer(backup())
-        assert sdk.spans.get_finished_spans() == ()  # nothing yet: the worker has not drained
+        assert sdk.span_exporter.get_finished_spans() == ()  # nothing yet: the worker has not drained
         assert sdk.telemetry.flush()
-        assert len(sdk.spans.get_finished_spans()) == 1
+        assert len(sdk.span_exporter.get_finished_spans()) == 1
 
 
 class TestNeverHarmTheHost:
@@ -269,7 +269,7 @@ class TestNeverHarmTheHost:
     ) -> None:
         sdk.telemetry.record_transfer(record)  # must not raise
         assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 0
-        assert sdk.finished_spans() == []
+        assert sdk.spans() == []
         rejected = {sc.ATTR_RECORD_KIND: "transfer", sc.ATTR_PROBLEM: problem}
         assert sdk.value(sc.METRIC_RECORDS_REJECTED, rejected) == 1
 
@@ -317,7 +317,7 @@ class TestNeverHarmTheHost:
         normalized = {sc.ATTR_RECORD_KIND: "transfer", sc.ATTR_PROBLEM: "unknown_pool"}
         assert sdk.value(sc.METRIC_RECORDS_NORMALIZED, normalized) == 500
         assert len([r for r in caplog.records if "unknown_pool" in r.getMessage()]) == 1
-        spans = sdk.finished_spans()
+        spans = sdk.spans()
         assert spans[0].attributes["hicache.transfer.tokens.other"] == 1
         assert not any(k.startswith("hicache.transfer.tokens.pool-") for s in spans for k in s.attributes)
 
@@ -338,14 +338,14 @@ class TestQueue:
         for _ in range(10):
             sdk.telemetry.record_transfer(backup())
         assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 160
-        assert len(sdk.finished_spans()) == 3
+        assert len(sdk.spans()) == 3
         assert sdk.value(sc.METRIC_RECORDS_DROPPED, {sc.ATTR_RECORD_KIND: "transfer"}) == 7
 
     def test_after_shutdown_records_still_count_and_spans_are_dropped(self, sdk: Sdk) -> None:
         sdk.telemetry.shutdown()
         sdk.telemetry.record_transfer(backup())
         assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 16
-        assert sdk.finished_spans() == []
+        assert sdk.spans() == []
         assert sdk.value(sc.METRIC_RECORDS_DROPPED, {sc.ATTR_RECORD_KIND: "transfer"}) == 1
 
     def test_background_worker_drains_without_an_explicit_flush(self) -> None:
@@ -354,9 +354,9 @@ class TestQueue:
         import time
 
         deadline = time.monotonic() + 5
-        while not sdk.spans.get_finished_spans() and time.monotonic() < deadline:
+        while not sdk.span_exporter.get_finished_spans() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert len(sdk.spans.get_finished_spans()) == 1
+        assert len(sdk.span_exporter.get_finished_spans()) == 1
         sdk.telemetry.shutdown()
 
 
@@ -368,7 +368,7 @@ def test_invalid_constructor_arguments_are_refused_clearly() -> None:
 def test_links_accept_remote_span_contexts(sdk: Sdk) -> None:
     remote = SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
     sdk.telemetry.record_transfer(backup(links=(remote,)))
-    (span,) = sdk.finished_spans()
+    (span,) = sdk.spans()
     assert span.links[0].context.trace_id == 0x1234
 
 
@@ -392,7 +392,7 @@ class TestDeferredRecords:
         }
         assert reader_value[frozenset(op_pool("backup", "kv").items())] == 45
         assert sdk.telemetry.snapshot()[sc.METRIC_TRANSFER_SIZE][("backup", None, "cuda_event")] == 1000
-        assert len(sdk.finished_spans()) == 10
+        assert len(sdk.spans()) == 10
 
     def test_the_calling_thread_does_not_build_the_record(self) -> None:
         import threading

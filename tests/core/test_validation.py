@@ -17,7 +17,7 @@ from otel_hicache import semconv as sc
 from otel_hicache.records import PoolUsage, TransferRecord
 from otel_hicache.semconv import Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
-from tests.conftest import Sdk, make_sdk
+from otel_hicache.testing.sdk import Sdk, make_sdk
 
 T0 = 1_700_000_000_000_000_000
 
@@ -82,7 +82,7 @@ def test_a_mapping_that_changes_between_reads_is_read_once_and_counted_as_read(s
     assert tokens.reads == 1
     snap = sdk.telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS]
     assert snap[("backup", "kv")] == 10 and snap[("backup", "other")] == 10  # never negative, no new pool name
-    (span,) = sdk.finished_spans()
+    (span,) = sdk.spans()
     assert span.attributes["hicache.transfer.tokens.kv"] == 10  # the span shows what was counted
 
 
@@ -91,7 +91,7 @@ def test_a_mapping_that_raises_half_way_is_refused_whole(sdk: Sdk, caplog: pytes
         sdk.telemetry.record_transfer(backup(Exploding()))
     assert kv(sdk) == 0  # nothing of it counted, not even the kv part read before the error
     assert rejected(sdk, "malformed") == 1
-    assert sdk.finished_spans() == []
+    assert sdk.spans() == []
     assert "nothing of it was counted" in caplog.text
 
 
@@ -127,7 +127,7 @@ def test_numpy_and_torch_scalars_become_plain_ints_and_floats(sdk: Sdk, caplog: 
                 backup({"kv": np.int64(16), "swa": torch.tensor(4)}, np.uint32(2000), copy_duration_s=np.float32(0.25),
                        merged_ops=np.int16(3), node_count=np.int64(2))
             )  # fmt: skip
-        spans = sdk.finished_spans()
+        spans = sdk.spans()
         sdk.metrics()
     assert kv(sdk) == 1600
     assert len(spans) == 100
@@ -154,13 +154,13 @@ def test_a_record_that_could_not_yield_its_span_is_refused_not_silently_half_kep
 ) -> None:
     sdk.telemetry.record_transfer(backup({"kv": 3}, **fields))
     assert kv(sdk) == 0 and rejected(sdk, problem) == 1
-    assert sdk.finished_spans() == []
+    assert sdk.spans() == []
 
 
 def test_a_link_that_is_not_a_span_context_is_left_out_and_counted(sdk: Sdk) -> None:
     good = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
     sdk.telemetry.record_transfer(backup({"kv": 3}, links=(good, "trace-123", None)))
-    (span,) = sdk.finished_spans()
+    (span,) = sdk.spans()
     assert [link.context.span_id for link in span.links] == [0xDEF]
     normalized = sdk.telemetry.snapshot()[sc.METRIC_RECORDS_NORMALIZED]
     assert normalized[("transfer", "bad_link")] == 1
@@ -184,7 +184,7 @@ def test_a_burst_far_past_the_queue_keeps_counters_exact_and_counts_every_lost_s
     for _ in range(64 * 20):
         sdk.telemetry.record_transfer(backup({"kv": 2}))
     assert kv(sdk) == 2 * 64 * 20
-    spans = len(sdk.finished_spans())
+    spans = len(sdk.spans())
     dropped = sdk.telemetry.snapshot()[sc.METRIC_RECORDS_DROPPED][("transfer",)]
     assert spans >= 64 and spans + dropped == 64 * 20
     sdk.telemetry.shutdown()

@@ -1,61 +1,17 @@
-"""Fixtures for the pipeline tests: paths of the shipped configs, and one real Prometheus server per session."""
+"""Fixtures for the pipeline tests: one real Prometheus server per session, with the shipped config and rules."""
 
 from __future__ import annotations
 
-import json
-import shutil
-import socket
 import subprocess
 import time
-import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).parents[2]
-CONFIG = ROOT / "collector-config"
-RULES = CONFIG / "rules" / "hicache.rules.yml"
-DASHBOARD = CONFIG / "grafana" / "dashboards" / "otel-hicache.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def needs(binary: str) -> str:
-    path = shutil.which(binary)
-    if path is None:
-        pytest.skip(f"{binary} is not installed (apt-get install prometheus)")
-    return path
-
-
-@dataclass
-class Prometheus:
-    """A running Prometheus server with the shipped config, scraping ``127.0.0.1:target_port`` every second."""
-
-    url: str
-    target_port: int
-    process: subprocess.Popen[bytes]
-
-    def api(self, path: str, **params: str) -> Any:
-        query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        with urllib.request.urlopen(f"{self.url}/api/v1/{path}{query}", timeout=10) as response:
-            body = json.load(response)
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        """Instant query; the result vector (each item: ``metric`` labels and ``value``)."""
-        data = self.api("query", query=expr)
-        assert data["resultType"] == "vector", (expr, data["resultType"])
-        return list(data["result"])
+from otel_hicache.testing import free_port
+from tests.pipeline.support import CONFIG, Prometheus, needs
 
 
 @pytest.fixture(scope="session")

@@ -174,12 +174,11 @@ def test_otlp_endpoint_from_the_standard_environment_variable() -> None:
 def test_prometheus_port_serves_the_run_while_lingering() -> None:
     """The installed console script, in its own process: the scrape endpoint stays up for --linger seconds."""
     import shutil
-    import socket
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from otel_hicache.testing import free_port
+
+    port = free_port()
     script = shutil.which("otel-hicache") or f"{sys.executable} -m otel_hicache.cli"
     command = [*script.split(), "demo", "--requests", "20", "--no-progress", "--prometheus-port", str(port),
                "--linger", "30"]  # fmt: skip

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from tests.pipeline.conftest import CONFIG, DASHBOARD, ROOT
+from tests.pipeline.support import CONFIG, DASHBOARD, ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
 COLLECTORS = {

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from otel_hicache.testing.otlp_receiver import OtlpReceiver
-from tests.pipeline.conftest import DASHBOARD, RULES, Prometheus
+from tests.pipeline.support import DASHBOARD, RULES, Prometheus
 
 pytestmark = pytest.mark.prometheus
 

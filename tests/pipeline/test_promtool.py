@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.pipeline.conftest import CONFIG, RULES, needs
+from tests.pipeline.support import CONFIG, RULES, needs
 
 pytestmark = pytest.mark.prometheus
 

@@ -1,33 +1,24 @@
 """An SGLang HiCache program that knows nothing about OpenTelemetry (run by test_auto_instrumentation.py).
 
-It builds SGLang 0.5.23's real UnifiedRadixCache on a CPU (conftest's shims), backs a prefix up to the host, evicts
-it from the device and loads it back, and checks the bytes came back unchanged. Any telemetry it produces comes from
-``opentelemetry-instrument`` loading our entry point.
+It builds SGLang 0.5.23's real UnifiedRadixCache on a CPU (the shims of otel_hicache.testing.sglang), backs a prefix
+up to the host, evicts it from the device and loads it back, and checks the bytes came back unchanged. Any telemetry it
+produces comes from ``opentelemetry-instrument`` loading our entry point, which patches SGLang as the app imports it.
 """
 
 from __future__ import annotations
 
-import sys
 from array import array
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-import conftest as shims
 
 
 def main() -> None:
-    import sglang.srt.mem_cache.pool_host.common as common
-    import sglang.srt.mem_cache.pool_host.mha as mha
-    import sglang.test.kits.unified_radix_cache.fixtures as kit
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    mha.transfer_kv_direct, common.ALLOC_MEMORY_FUNCS["cpu"] = shims._transfer_kv_direct, shims._alloc_plain
-    kit.get_device = lambda *_a, **_k: "cpu"
+    from otel_hicache.testing.sglang import build_hicache, install_cpu_shims
 
-    cache, allocator, _ = shims.build_hicache("write_through", kv_size=64)
+    install_cpu_shims()
+    cache, allocator, _ = build_hicache("write_through", kv_size=64)
     kv = allocator.get_kvcache()
     tokens = list(range(1, 21))
     key = RadixKey(array("q", tokens))

@@ -75,3 +75,17 @@ def test_opentelemetry_instrument_exports_hicache_spans_and_metrics_over_otlp(cp
     assert {k: v for k, v in by_op.items() if v} == {("backup", "kv"): TOKENS, ("load_back", "kv"): TOKENS}
     sizes = {attributes(p.attributes)[sc.ATTR_OPERATION]: p.as_int for p in size.sum.data_points}
     assert sizes["backup"] == sizes["load_back"] == attrs[sc.ATTR_BYTES]
+
+
+def test_instrument_imports_nothing_of_sglang_or_torch_and_patches_sglang_when_it_is_imported() -> None:
+    program = (
+        "import sys\n"
+        "from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor\n"
+        "SGLangHiCacheInstrumentor().instrument()\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'torch'}))\n"
+        "from sglang.srt.managers.cache_controller import HiCacheController\n"
+        "print(hasattr(vars(HiCacheController)['start_writing'], '__wrapped__'))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.split() == ["[]", "True"]

@@ -13,10 +13,11 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from conftest import Otel, build_hicache
 from prometheus_client import REGISTRY
 
 from otel_hicache import semconv as sc
+from otel_hicache.testing.sdk import Sdk
+from otel_hicache.testing.sglang import build_hicache
 
 pytestmark = pytest.mark.sglang
 
@@ -44,7 +45,7 @@ def sglang_values() -> dict[str, float]:
     }
 
 
-def otel_values(otel: Otel) -> dict[str, float]:
+def otel_values(otel: Sdk) -> dict[str, float]:
     snap = otel.counters()
     tokens, size = snap[sc.METRIC_TRANSFER_TOKENS], snap[sc.METRIC_TRANSFER_SIZE]
     dropped = snap[sc.METRIC_DROPPED_TOKENS]
@@ -146,7 +147,7 @@ def backed_up(tree: Tree, policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
-def test_round_trip_matches_sglang_metrics_and_acks(policy: str, instrumented: Otel, sglang_metrics: Any) -> None:
+def test_round_trip_matches_sglang_metrics_and_acks(policy: str, instrumented: Sdk, sglang_metrics: Any) -> None:
     before = sglang_values()
     tree = Tree(policy, sglang_metrics, kv_size=128)
     backed_up(tree, policy)
@@ -184,7 +185,7 @@ def test_round_trip_matches_sglang_metrics_and_acks(policy: str, instrumented: O
         assert span.start_time <= span.end_time
 
 
-def test_merged_backups_become_one_span_with_the_merged_op_count(instrumented: Otel, sglang_metrics: Any) -> None:
+def test_merged_backups_become_one_span_with_the_merged_op_count(instrumented: Sdk, sglang_metrics: Any) -> None:
     tree = Tree("write_through", sglang_metrics)
     tree.insert(SEQ_A)
     tree.insert(SEQ_B)
@@ -199,7 +200,7 @@ def test_merged_backups_become_one_span_with_the_merged_op_count(instrumented: O
     assert span.attributes[sc.ATTR_IO_BACKEND] == "direct"
 
 
-def test_host_pressure_drop_under_write_back_matches_sglang(instrumented: Otel, sglang_metrics: Any) -> None:
+def test_host_pressure_drop_under_write_back_matches_sglang(instrumented: Sdk, sglang_metrics: Any) -> None:
     before = sglang_values()
     tree = Tree("write_back", sglang_metrics)
     tree.insert(SEQ_A)
@@ -218,7 +219,7 @@ def test_host_pressure_drop_under_write_back_matches_sglang(instrumented: Otel, 
 
 
 def test_controller_write_and_load_round_trip_and_report_only_consumed_acks(
-    instrumented: Otel, sglang_metrics: Any
+    instrumented: Sdk, sglang_metrics: Any
 ) -> None:
     import torch
 
@@ -243,39 +244,42 @@ def test_controller_write_and_load_round_trip_and_report_only_consumed_acks(
     cc.ack_load_queue.clear()
 
 
-def test_uninstrument_restores_every_original_and_instrumenting_twice_wraps_once(cpu_sglang: None, otel: Otel) -> None:
+def test_uninstrument_restores_every_original_and_instrumenting_twice_wraps_once(cpu_sglang: None, otel: Sdk) -> None:
     import importlib
 
-    from otel_hicache.integrations.sglang import TARGETS, SGLangHiCacheInstrumentor
-    from otel_hicache.integrations.sglang.instrumentor import STAT_LOGGER_MODULES
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+    from otel_hicache.integrations.sglang.instrumentor import _STAT_LOGGER_MODULES, _TARGETS
 
-    owners = [getattr(importlib.import_module(t.module), t.owner) for t in TARGETS]
-    originals = [vars(owner)[t.attribute] for owner, t in zip(owners, TARGETS, strict=True)]
-    modules = [importlib.import_module(m) for m in STAT_LOGGER_MODULES]
+    targets = [target for target, _ in _TARGETS]
+    owners = [getattr(importlib.import_module(t.module), t.owner) for t in targets]
+    originals = [vars(owner)[t.attribute] for owner, t in zip(owners, targets, strict=True)]
+    modules = [importlib.import_module(m) for m in _STAT_LOGGER_MODULES]
     original_resolvers = [m.resolve_collector_class for m in modules]
 
     instrumentor = SGLangHiCacheInstrumentor()
     instrumentor.instrument(telemetry=otel.telemetry)
     instrumentor.instrument(telemetry=otel.telemetry)
-    for owner, t, original in zip(owners, TARGETS, originals, strict=True):
+    for owner, t, original in zip(owners, targets, originals, strict=True):
         assert vars(owner)[t.attribute] is not original
         assert vars(owner)[t.attribute].__wrapped__ is original  # one layer, not two
+    assert all(m.resolve_collector_class is not r for m, r in zip(modules, original_resolvers, strict=True))
     instrumentor.uninstrument()
 
-    for owner, t, original in zip(owners, TARGETS, originals, strict=True):
+    for owner, t, original in zip(owners, targets, originals, strict=True):
         assert vars(owner)[t.attribute] is original
     assert [m.resolve_collector_class for m in modules] == original_resolvers
 
 
 def test_unsupported_sglang_warns_once_and_patches_nothing(
-    cpu_sglang: None, otel: Otel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    cpu_sglang: None, otel: Sdk, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from sglang.srt.managers.cache_controller import HiCacheController
 
-    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor, instrumentor
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
 
-    monkeypatch.setattr(instrumentor, "_INSTRUMENTS", ("sglang >= 99.0",))
-    monkeypatch.setattr(instrumentor, "_warned", set())
+    instrumentor = SGLangHiCacheInstrumentor()
+    monkeypatch.setattr(SGLangHiCacheInstrumentor, "instrumentation_dependencies", lambda self: ("sglang >= 99.0",))
+    monkeypatch.setattr(instrumentor, "_warned", set(), raising=False)
     original = vars(HiCacheController)["start_writing"]
     with caplog.at_level(logging.WARNING):
         SGLangHiCacheInstrumentor().instrument(telemetry=otel.telemetry)
@@ -284,6 +288,19 @@ def test_unsupported_sglang_warns_once_and_patches_nothing(
     assert vars(HiCacheController)["start_writing"] is original
     warnings = [r for r in caplog.records if "not instrumented" in r.getMessage()]
     assert len(warnings) == 1 and "found sglang 0.5.23" in warnings[0].getMessage()
+
+
+def test_suppressed_instrumentation_reports_nothing_and_sglang_runs_unchanged(
+    instrumented: Sdk, sglang_metrics: Any
+) -> None:
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+    before = sglang_values()
+    with suppress_instrumentation():
+        tree = Tree("write_through", sglang_metrics)
+        backed_up(tree, "write_through")
+    assert delta(sglang_values(), before)["backup_kv"] == len(SEQ_A) + len(SEQ_B)
+    assert otel_values(instrumented)["backup_kv"] == 0 and instrumented.spans() == []
 
 
 class _BrokenSink:
@@ -323,7 +340,7 @@ def test_a_failing_wrapper_logs_once_and_sglang_runs_unchanged(
 
 
 def test_stat_logger_classes_send_sglang_series_over_otel_without_the_hicache_ones(
-    cpu_sglang: None, otel: Otel, prometheus_collector: Any
+    cpu_sglang: None, otel: Sdk, prometheus_collector: Any
 ) -> None:
     from sglang.srt.observability.metrics_collector import StorageMetricsCollector
 
@@ -352,7 +369,7 @@ def test_stat_logger_classes_send_sglang_series_over_otel_without_the_hicache_on
 
 
 def test_acks_queued_before_instrumenting_are_reported_once_consumed(
-    cpu_sglang: None, otel: Otel, sglang_metrics: Any
+    cpu_sglang: None, otel: Sdk, sglang_metrics: Any
 ) -> None:
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
 
@@ -377,3 +394,32 @@ def test_acks_queued_before_instrumenting_are_reported_once_consumed(
     unknown = spans[1]  # SEQ_A's ack: its span starts when it was seen complete
     assert unknown.start_time == unknown.end_time
     assert all(s.start_time < s.end_time for s in (spans[0], spans[2]))
+
+
+def test_every_pool_name_of_this_sglang_is_counted_under_its_own_name(cpu_sglang: None, otel: Sdk) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+    from otel_hicache.integrations.sglang.semconv import SGLANG_POOLS
+    from otel_hicache.records import TransferRecord
+
+    assert {p.value for p in PoolName} == set(SGLANG_POOLS) | sc.POOLS
+    instrumentor = SGLangHiCacheInstrumentor()
+    instrumentor.instrument(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
+    try:
+        telemetry = instrumentor.telemetry
+        assert telemetry is not None and telemetry is not otel.telemetry
+        tokens = {p.value: 1 for p in PoolName}
+        telemetry.record_transfer(
+            TransferRecord(
+                operation=sc.TransferOperation.BACKUP,
+                tokens_by_pool=tokens,
+                num_bytes=0,
+                submit_time_ns=1,
+                complete_time_ns=2,
+            )
+        )
+        counted = {pool for (_, pool), n in telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS].items() if n}
+    finally:
+        instrumentor.uninstrument()
+    assert counted == set(tokens)

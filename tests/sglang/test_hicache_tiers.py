@@ -1,9 +1,9 @@
 """Per-tier prefill hits, the L3 file backend, drops and a hybrid pool, against SGLang 0.5.23's own counters.
 
-Every scenario runs SGLang's real classes on a CPU (see conftest): a real ``PrefillAdder`` admitting real ``Req``
-objects whose prefixes sit on the device, on the host and in L3; SGLang's file backend (``HiCacheFile``) written and
-read by the controller's own storage threads; a real SWA hybrid cache. The OTel values must equal what SGLang's
-prometheus collectors count for the same run.
+Every scenario runs SGLang's real classes on a CPU (:mod:`otel_hicache.testing.sglang`): a real ``PrefillAdder``
+admitting real ``Req`` objects whose prefixes sit on the device, on the host and in L3; SGLang's file backend
+(``HiCacheFile``) written and read by the controller's own storage threads; a real SWA hybrid cache. The OTel values
+must equal what SGLang's prometheus collectors count for the same run.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from conftest import FileStorage, Otel, build_hicache, pump
 from prometheus_client import REGISTRY
 
 from otel_hicache import semconv as sc
+from otel_hicache.testing.sdk import Sdk
+from otel_hicache.testing.sglang import FileStorage, build_hicache, pump
 
 pytestmark = pytest.mark.sglang
 
@@ -55,7 +56,7 @@ def storage_metrics(prometheus_collector: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------------------- L3
 def test_storage_backup_and_prefetch_match_sglang_counters_and_the_bytes_on_disk(
-    instrumented: Otel, file_storage: FileStorage, prometheus_collector: Any
+    instrumented: Sdk, file_storage: FileStorage, prometheus_collector: Any
 ) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -144,7 +145,7 @@ def _admit(cache: Any, allocator: Any, reqs: list[Any]) -> Any:
 
 
 def test_prefill_tokens_per_mode_equal_sglang_effective_prefill_counter(
-    instrumented: Otel, file_storage: FileStorage, prometheus_collector: Any
+    instrumented: Sdk, file_storage: FileStorage, prometheus_collector: Any
 ) -> None:
     from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -200,7 +201,7 @@ def test_prefill_tokens_per_mode_equal_sglang_effective_prefill_counter(
 # ---------------------------------------------------------------------------------------------------------- drops
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective"])
 def test_unbacked_eviction_drop_is_counted_under_exactly_write_through(
-    policy: str, instrumented: Otel, sglang_metrics: Any
+    policy: str, instrumented: Sdk, sglang_metrics: Any
 ) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -223,9 +224,7 @@ def test_unbacked_eviction_drop_is_counted_under_exactly_write_through(
 
 
 # ---------------------------------------------------------------------------------------------------------- hybrid
-def test_swa_hybrid_backup_and_load_back_count_the_swa_pool_like_sglang(
-    instrumented: Otel, sglang_metrics: Any
-) -> None:
+def test_swa_hybrid_backup_and_load_back_count_the_swa_pool_like_sglang(instrumented: Sdk, sglang_metrics: Any) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 

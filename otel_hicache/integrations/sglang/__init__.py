@@ -61,12 +61,22 @@ consumed ack (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_de
 counted on the telemetry worker. A check with ``finish_count=0`` skips all bookkeeping. ``python -m benchmarks
 sglang`` measures the cost per ack against SGLang's own prometheus metrics (about 0.23x on this project's machine).
 
-Failure rules: a missing or unsupported SGLang gives one warning and no patching (the version check runs even under
+Patching and failure rules (shared by every engine adapter, :mod:`otel_hicache.integrations._base`): ``instrument()``
+imports nothing of SGLang (nor torch); each SGLang module is patched when it is imported (at once if it already is). A
+missing or unsupported SGLang gives one warning and no patching (the version check runs even under
 ``skip_dep_check``, which ``opentelemetry-instrument`` passes: the wrappers rely on 0.5.23's shapes); a missing method
-skips only its signal (one warning); a wrapper whose own code fails logs once and SGLang runs unchanged.
-``uninstrument()`` restores every patched attribute to the original object; ``instrument()`` twice wraps nothing twice.
+skips only its signal (one warning); a wrapper whose own code fails logs once and SGLang runs unchanged; inside
+``opentelemetry.instrumentation.utils.suppress_instrumentation()`` every wrapper passes straight through.
+``uninstrument()`` restores every patched attribute to the original object and disarms patches for modules not imported
+yet; ``instrument()`` twice wraps nothing twice.
+
+SGLang's pool names beyond the core's (``auxiliary_swa``, ``deepseek_v4_*``, ...) are in :mod:`.semconv`; the
+instrumentor declares them to its :class:`~otel_hicache.telemetry.HiCacheTelemetry` (``extra_pools``).
+:func:`.prefix.split_cached_prefix_by_tier` attributes a cached prefix to device / host / storage as SGLang 0.5.23 does,
+for producers holding SGLang-style match lengths.
 """
 
-from otel_hicache.integrations.sglang.instrumentor import TARGETS, SGLangHiCacheInstrumentor
+from otel_hicache.integrations.sglang.instrumentor import SGLangHiCacheInstrumentor
+from otel_hicache.integrations.sglang.prefix import prefix_split, split_cached_prefix_by_tier
 
-__all__ = ["TARGETS", "SGLangHiCacheInstrumentor"]
+__all__ = ["SGLangHiCacheInstrumentor", "prefix_split", "split_cached_prefix_by_tier"]

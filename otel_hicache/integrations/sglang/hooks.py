@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferRecord
-from otel_hicache.semconv import DEFAULT_POOL, Tier, TimingSource, TransferOperation
+from otel_hicache.semconv import DEFAULT_POOL, DropReason, Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import ANCHOR, elapsed_seconds, now_ns
 
@@ -209,7 +209,9 @@ class HiCacheHooks:
             freed = result.num_tokens_evicted
             if freed > 0:
                 duration = time.perf_counter() - start
-                self.telemetry.record_eviction(EvictionRecord(Tier.DEVICE, freed, duration, now_ns()))
+                self.telemetry.record_eviction(
+                    EvictionRecord(tier=Tier.DEVICE, num_tokens=freed, duration_s=duration, time_ns=now_ns())
+                )
         except Exception:
             self._fail("evict")
         return result
@@ -219,7 +221,9 @@ class HiCacheHooks:
         try:
             tokens, reason = _drop_arguments(*args, **kwargs)
             if tokens > 0:
-                self.telemetry.record_drop(DropRecord(reason, {DEFAULT_POOL: tokens}, now_ns()))
+                self.telemetry.record_drop(
+                    DropRecord(reason=reason, tokens_by_pool={DEFAULT_POOL: tokens}, time_ns=now_ns())
+                )
         except Exception:
             self._fail("record_dropped_tokens")
         return result
@@ -239,7 +243,12 @@ class HiCacheHooks:
         result = wrapped(*args, **kwargs)
         try:
             after = _prefill_counts(instance)
-            split = PrefixSplit(after[0] - before[0], after[1] - before[1], after[2] - before[2], after[3] - before[3])
+            split = PrefixSplit(
+                input_tokens=after[0] - before[0],
+                device_hit=after[1] - before[1],
+                host_hit=after[2] - before[2],
+                storage_hit=after[3] - before[3],
+            )
             if any(split):
                 self.telemetry.record_prefix_split(split)
         except Exception:
@@ -258,18 +267,15 @@ class HiCacheHooks:
                 duration = time.perf_counter() - start
                 self.telemetry.record_transfer(
                     TransferRecord(
-                        TransferOperation.STORAGE_BACKUP,
-                        {DEFAULT_POOL: tokens},
-                        tokens * _size_per_token(instance.storage_host_pool),
-                        submit_ns,
-                        now_ns(),
-                        duration,
-                        TimingSource.HOST_CLOCK,
-                        1,
-                        0,
-                        None,
-                        instance.write_policy,
-                        instance.storage_backend_type,
+                        operation=TransferOperation.STORAGE_BACKUP,
+                        tokens_by_pool={DEFAULT_POOL: tokens},
+                        num_bytes=tokens * _size_per_token(instance.storage_host_pool),
+                        submit_time_ns=submit_ns,
+                        complete_time_ns=now_ns(),
+                        copy_duration_s=duration,
+                        timing_source=TimingSource.HOST_CLOCK,
+                        write_policy=instance.write_policy,
+                        io_backend=instance.storage_backend_type,
                     )
                 )
         except Exception:
@@ -291,18 +297,12 @@ class HiCacheHooks:
                 cc = instance.cache_controller
                 self.telemetry.record_transfer(
                     TransferRecord(
-                        TransferOperation.STORAGE_PREFETCH,
-                        {DEFAULT_POOL: tokens},
-                        tokens * _size_per_token(cc.storage_host_pool),
-                        min(issued_ns, now_ns()),
-                        now_ns(),
-                        None,
-                        TimingSource.NONE,
-                        1,
-                        0,
-                        None,
-                        None,
-                        cc.storage_backend_type,
+                        operation=TransferOperation.STORAGE_PREFETCH,
+                        tokens_by_pool={DEFAULT_POOL: tokens},
+                        num_bytes=tokens * _size_per_token(cc.storage_host_pool),
+                        submit_time_ns=min(issued_ns, now_ns()),
+                        complete_time_ns=now_ns(),
+                        io_backend=cc.storage_backend_type,
                     )
                 )
         except Exception:
@@ -338,11 +338,11 @@ class _HostPoolSource:
         if pool is None:
             return []
         total = pool.logical_size
-        return [PoolUsage(Tier.HOST, DEFAULT_POOL, total - pool.available_size(), total)]
+        return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=total - pool.available_size(), limit=total)]
 
 
-def _drop_arguments(dropped_tokens: int, reason: str) -> tuple[int, str]:
-    return int(dropped_tokens), str(reason)
+def _drop_arguments(dropped_tokens: int, reason: str) -> tuple[int, DropReason]:
+    return int(dropped_tokens), DropReason(str(reason))
 
 
 def _prefill_counts(adder: Any) -> tuple[int, int, int, int]:
@@ -367,16 +367,15 @@ def _ack_record(payload: tuple[Any, int | None, int, int, TransferOperation, str
     if ack.timing_enabled:  # the ack was consumed, so its finish event is complete: no sync here
         duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
     return TransferRecord(
-        operation,
-        ack.num_tokens_by_pool or {},
-        ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
-        done_ns if submit_ns is None else submit_ns,
-        done_ns,
-        duration,
-        TimingSource.NONE if duration is None else TimingSource.CUDA_EVENT,
-        merged,
-        len(ack.node_ids),
-        None,
-        policy,
-        io_backend,
+        operation=operation,
+        tokens_by_pool=ack.num_tokens_by_pool or {},
+        num_bytes=ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
+        submit_time_ns=done_ns if submit_ns is None else submit_ns,
+        complete_time_ns=done_ns,
+        copy_duration_s=duration,
+        timing_source=TimingSource.NONE if duration is None else TimingSource.CUDA_EVENT,
+        merged_ops=merged,
+        node_count=len(ack.node_ids),
+        write_policy=policy,
+        io_backend=io_backend,
     )

@@ -9,10 +9,13 @@ here keep SGLang's prometheus_client series exactly as they are (SGLang's ``/met
 Naming: ``sglang:evicted_tokens_total`` becomes the OTel instrument ``sglang.evicted_tokens`` (``:`` is not allowed
 in an OTel name; a counter's ``_total`` is dropped because exporters add it back). Labels are SGLang's labels.
 
-No double counting: the ``sglang:*`` series listed in :data:`otel_hicache.semconv.SGLANG_SERIES` are exported by
+No double counting: the ``sglang:*`` series listed in :data:`.semconv.SGLANG_SERIES` are exported by
 the instrumentor's own ``hicache.*`` instruments (from the wrappers), so their OTel side is not created here unless
 ``include_hicache_series=True`` (use that only without the instrumentor's wrappers). Their prometheus_client side
 always stays.
+
+State: each :class:`OTelStatLoggers` binds its own metric classes to its own meter, so two of them (say, two
+instrumented set-ups with different meter providers) never share one; nothing is kept at module level.
 
 Use without the instrumentor (embedded engine)::
 
@@ -22,38 +25,22 @@ Use without the instrumentor (embedded engine)::
 
 from __future__ import annotations
 
-import functools
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from opentelemetry import metrics
 
-from otel_hicache import semconv as sc
+from otel_hicache.integrations.sglang.semconv import SGLANG_SERIES
+from otel_hicache.version import __version__
 
 #: The stat-logger roles these classes serve.
 ROLES: tuple[str, ...] = ("scheduler", "storage", "radix_cache")
 METER_NAME = "otel_hicache.sglang"
 
 #: ``sglang:*`` metric names whose quantity the instrumentor's wrappers already export as ``hicache.*``.
-HICACHE_SERIES: frozenset[str] = frozenset(name.split("{", 1)[0] for name, _ in sc.SGLANG_SERIES)
-
-_state: dict[str, Any] = {"meter_provider": None, "include_hicache_series": False}
-
-
-def set_meter_provider(meter_provider: metrics.MeterProvider | None, include_hicache_series: bool = False) -> None:
-    """Where the OTel side of collectors built from now on reports (``None``: the global provider)."""
-    _state["meter_provider"] = meter_provider
-    _state["include_hicache_series"] = include_hicache_series
-    _meter.cache_clear()
-
-
-@functools.cache
-def _meter() -> metrics.Meter:
-    from otel_hicache import __version__
-
-    return metrics.get_meter(METER_NAME, __version__, _state["meter_provider"])
+HICACHE_SERIES: frozenset[str] = frozenset(name.split("{", 1)[0] for name, _ in SGLANG_SERIES)
 
 
 def otel_name(prometheus_name: str, counter: bool = False) -> str:
@@ -68,13 +55,15 @@ def otel_name(prometheus_name: str, counter: bool = False) -> str:
 class _Metric(ABC):
     """prometheus_client's API surface (``labels`` + the kind's update method) over both backends."""
 
-    _kind = ""
+    #: Set on the subclasses :class:`OTelStatLoggers` creates: the meter the OTel side reports through.
+    _meter: metrics.Meter
+    _include_hicache_series = False
 
     def __init__(self, name: str, documentation: str = "", labelnames: Iterable[str] = (), **kwargs: Any) -> None:
         self._labelnames = tuple(labelnames)
         self._prom = self._prometheus(name, documentation, self._labelnames, **kwargs)
         self._otel = None
-        if _state["include_hicache_series"] or name not in HICACHE_SERIES:
+        if self._include_hicache_series or name not in HICACHE_SERIES:
             self._otel = self._instrument(name, documentation or "", **kwargs)
         self._attributes: dict[str, str] = {}
 
@@ -106,7 +95,7 @@ class OTelCounter(_Metric):
         return Counter(name, documentation, labelnames, **kwargs)
 
     def _instrument(self, name: str, description: str, **kwargs: Any) -> Any:
-        return _meter().create_counter(otel_name(name, counter=True), description=description)
+        return self._meter.create_counter(otel_name(name, counter=True), description=description)
 
     def inc(self, amount: float = 1) -> None:
         self._prom.inc(amount)
@@ -123,7 +112,7 @@ class OTelGauge(_Metric):
         return Gauge(name, documentation, labelnames, **kwargs)
 
     def _instrument(self, name: str, description: str, **kwargs: Any) -> Any:
-        return _meter().create_gauge(otel_name(name), description=description)
+        return self._meter.create_gauge(otel_name(name), description=description)
 
     def set(self, value: float) -> None:
         self._prom.set(value)
@@ -158,7 +147,7 @@ class OTelHistogram(_Metric):
     def _instrument(self, name: str, description: str, **kwargs: Any) -> Any:
         buckets = kwargs.get("buckets")
         advisory = [float(b) for b in buckets if b != float("inf")] if buckets else None
-        return _meter().create_histogram(
+        return self._meter.create_histogram(
             otel_name(name), description=description, explicit_bucket_boundaries_advisory=advisory
         )
 
@@ -177,57 +166,72 @@ class OTelSummary(OTelHistogram):
         return Summary(name, documentation, labelnames, **kwargs)
 
 
-@functools.cache
-def collector_classes() -> dict[str, type]:
-    """Role -> an OTel-backed subclass of SGLang's collector for that role (imports SGLang)."""
-    from sglang.srt.observability.metrics_collector import (
-        RadixCacheMetricsCollector,
-        SchedulerMetricsCollector,
-        StorageMetricsCollector,
-    )
+class OTelStatLoggers:
+    """SGLang's collector classes for the ``scheduler``, ``storage`` and ``radix_cache`` roles, with every series
+    also sent to ``meter_provider`` (the global provider when ``None``)."""
 
-    def otel_subclass(base: type) -> type:
-        return type(
-            f"OTel{base.__name__}",
-            (base,),
-            {
-                "__module__": __name__,
-                "__doc__": f"``{base.__name__}`` whose series also flow over OpenTelemetry.",
-                "_counter_cls": OTelCounter,
-                "_gauge_cls": OTelGauge,
-                "_histogram_cls": OTelHistogram,
-                "_summary_cls": OTelSummary,
-            },
-        )
+    def __init__(
+        self, meter_provider: metrics.MeterProvider | None = None, include_hicache_series: bool = False
+    ) -> None:
+        meter = metrics.get_meter(METER_NAME, __version__, meter_provider)
+        bound = {"_meter": meter, "_include_hicache_series": include_hicache_series}
+        self._metric_classes = {
+            attribute: type(cls.__name__, (cls,), {**bound, "__module__": __name__})
+            for attribute, cls in (
+                ("_counter_cls", OTelCounter),
+                ("_gauge_cls", OTelGauge),
+                ("_histogram_cls", OTelHistogram),
+                ("_summary_cls", OTelSummary),
+            )
+        }
+        self._collectors: dict[str, type] | None = None
 
-    return {
-        "scheduler": otel_subclass(SchedulerMetricsCollector),
-        "storage": otel_subclass(StorageMetricsCollector),
-        "radix_cache": otel_subclass(RadixCacheMetricsCollector),
-    }
+    def collector_classes(self) -> dict[str, type]:
+        """Role -> an OTel-backed subclass of SGLang's collector for that role (imports SGLang on first use)."""
+        if self._collectors is None:
+            from sglang.srt.observability.metrics_collector import (
+                RadixCacheMetricsCollector,
+                SchedulerMetricsCollector,
+                StorageMetricsCollector,
+            )
+
+            def otel_subclass(base: type) -> type:
+                namespace = {
+                    "__module__": __name__,
+                    "__doc__": f"``{base.__name__}`` whose series also flow over OpenTelemetry.",
+                    **self._metric_classes,
+                }
+                return type(f"OTel{base.__name__}", (base,), namespace)
+
+            self._collectors = {
+                "scheduler": otel_subclass(SchedulerMetricsCollector),
+                "storage": otel_subclass(StorageMetricsCollector),
+                "radix_cache": otel_subclass(RadixCacheMetricsCollector),
+            }
+        return self._collectors
+
+    def resolve_collector_class(
+        self, wrapped: Callable[..., type], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> type:
+        """Wrapper for SGLang's ``resolve_collector_class``: where the user registered nothing for one of our roles,
+        hand out the OTel-backed subclass of SGLang's default; a user's own class always wins."""
+        cls = wrapped(*args, **kwargs)
+        try:
+            role, default = _resolve_arguments(*args, **kwargs)
+            if cls is default and role in ROLES:
+                otel_cls = self.collector_classes()[role]
+                if issubclass(otel_cls, default):
+                    return otel_cls
+        except Exception:  # never break SGLang's start-up over telemetry
+            pass
+        return cls
 
 
 def build_otel_stat_loggers(
     meter_provider: metrics.MeterProvider | None = None, include_hicache_series: bool = False
 ) -> dict[str, type]:
     """The ``ServerArgs.stat_loggers`` map for the ``scheduler``, ``storage`` and ``radix_cache`` roles."""
-    set_meter_provider(meter_provider, include_hicache_series)
-    return dict(collector_classes())
-
-
-def resolve_collector_class(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> type:
-    """Wrapper for SGLang's ``resolve_collector_class``: where the user registered nothing for one of our roles,
-    hand out the OTel-backed subclass of SGLang's default; a user's own class always wins."""
-    cls = wrapped(*args, **kwargs)
-    try:
-        role, default = _resolve_arguments(*args, **kwargs)
-        if cls is default and role in ROLES:
-            otel_cls = collector_classes()[role]
-            if issubclass(otel_cls, default):
-                return otel_cls
-    except Exception:  # never break SGLang's start-up over telemetry
-        pass
-    return cls
+    return dict(OTelStatLoggers(meter_provider, include_hicache_series).collector_classes())
 
 
 def _resolve_arguments(role: str, default_cls: type) -> tuple[str, type]:

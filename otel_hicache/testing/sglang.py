@@ -1,0 +1,172 @@
+"""SGLang 0.5.23's real HiCache classes on a CPU, for the SGLang tests and benchmarks (needs the sglang package).
+
+CPU shims, test-only, for the four GPU-only pieces the HiCache path touches (nothing else is replaced):
+
+* ``pool_host.mha.transfer_kv_direct`` is a CUDA kernel op (sgl_kernel): replaced by the same index copy in torch;
+* ``pool_host.common.ALLOC_MEMORY_FUNCS["cpu"]`` pins host memory with cudaHostRegister: replaced by a plain alloc;
+* the test kit's ``get_device`` must say ``"cpu"``;
+* a host pool's ``pin_memory`` flag is cleared after ``init_hicache`` (in :func:`build_hicache`): the L3 read path
+  allocates pinned scratch pages (``get_dummy_flat_data_page``), which needs a driver.
+
+The transfers use ``hicache_io_backend="direct"`` with ``hicache_mem_layout="layer_first"``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def _transfer_kv_direct(
+    src_layers: list[Any], dst_layers: list[Any], src_indices: Any, dst_indices: Any, page_size: int = 1
+) -> None:
+    """What sgl_kernel's transfer_kv_direct does, in torch: copy the indexed token rows of every layer."""
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst.index_copy_(0, dst_indices.to(dst.device), src.index_select(0, src_indices.to(src.device)))
+
+
+def _alloc_plain(
+    dims: tuple[int, ...], dtype: Any, device: str, pin_memory: bool, allocator: Any, *_: Any, **__: Any
+) -> Any:
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+def _cpu_device(*_args: Any, **_kwargs: Any) -> str:
+    return "cpu"
+
+
+def install_cpu_shims() -> Callable[[], None]:
+    """Install the CPU shims; returns the function that puts SGLang's originals back."""
+    import sglang.srt.mem_cache.pool_host.common as common
+    import sglang.srt.mem_cache.pool_host.mha as mha
+    import sglang.test.kits.unified_radix_cache.fixtures as kit
+
+    saved = (getattr(mha, "transfer_kv_direct", None), common.ALLOC_MEMORY_FUNCS.get("cpu"), kit.get_device)
+    mha.transfer_kv_direct = _transfer_kv_direct
+    common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_plain
+    kit.get_device = _cpu_device
+
+    def restore() -> None:
+        mha.transfer_kv_direct, cpu_alloc, kit.get_device = saved
+        if cpu_alloc is None:
+            common.ALLOC_MEMORY_FUNCS.pop("cpu", None)
+        else:
+            common.ALLOC_MEMORY_FUNCS["cpu"] = cpu_alloc
+
+    return restore
+
+
+def build_hicache(
+    write_policy: str,
+    *,
+    metrics: Any = None,
+    kv_size: int = 64,
+    page_size: int = 1,
+    num_layers: int = 2,
+    storage_metrics: Any = None,
+    hybrid_swa: bool = False,
+) -> tuple[Any, Any, Any]:
+    """A real UnifiedRadixCache with HiCache on a CPU (shims installed): (cache, device allocator, req_to_token_pool).
+
+    ``metrics``: SGLang's own radix-cache collector, as ``--enable-metrics`` sets it. ``storage_metrics`` given: the
+    cache also has SGLang's file L3 backend (``HiCacheFile``; call inside :func:`file_storage`) and reports to that
+    StorageMetricsCollector. ``hybrid_swa``: a FULL + SWA hybrid cache (``HybridCacheController``, host pools ``kv``
+    and ``swa``)."""
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from sglang.test.kits.unified_radix_cache.config import CacheConfig
+    from sglang.test.kits.unified_radix_cache.fixtures import build_fixture, drop_hicache_atexit_pin
+
+    if hybrid_swa:  # every other layer full attention, the rest sliding window
+        cfg = CacheConfig(
+            page_size=page_size,
+            kv_size=kv_size,
+            num_layers=num_layers,
+            full_attention_layer_ids=tuple(range(1, num_layers, 2)),
+            components=(ComponentType.FULL, ComponentType.SWA),
+            sliding_window_size=4,
+        )
+    else:
+        cfg = CacheConfig(
+            page_size=page_size,
+            kv_size=kv_size,
+            num_layers=num_layers,
+            full_attention_layer_ids=tuple(range(num_layers)),
+        )
+    cache, allocator, req_to_token_pool = build_fixture(cfg)
+    cache.metrics_collector = metrics
+    storage = storage_metrics is not None
+    server_args = ServerArgs(
+        model_path="dummy",
+        page_size=page_size,
+        hicache_io_backend="direct",
+        hicache_mem_layout="layer_first",
+        hicache_write_policy=write_policy,
+        hicache_storage_backend="file" if storage else None,
+        hicache_storage_backend_extra_config=json.dumps({"prefetch_threshold": 1}) if storage else None,
+    )
+    set_global_server_args_for_scheduler(server_args)
+    cache.init_hicache(server_args, cache.cache_init_params)
+    drop_hicache_atexit_pin(cache)
+    cc = cache.cache_controller
+    for pool in (cc.mem_pool_host, getattr(cc, "storage_host_pool", None)):
+        if pool is not None and hasattr(pool, "pin_memory"):
+            pool.pin_memory = False
+    if storage:
+        # As SGLang's kit does: host and device pools are sized equally, which zeroes the prefetch capacity.
+        cc.prefetch_capacity_limit = max(cc.prefetch_capacity_limit, cc.mem_pool_host.size)
+        cache.enable_storage_metrics = True  # what --enable-metrics sets, with our collector (one per process)
+        cache.storage_metrics_collector = storage_metrics
+    return cache, allocator, req_to_token_pool
+
+
+class FileStorage:
+    """SGLang's file L3 backend rooted in one directory (see :func:`file_storage`)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.caches: list[Any] = []
+
+    def build(self, write_policy: str, storage_metrics: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+        built = build_hicache(write_policy, storage_metrics=storage_metrics, **kwargs)
+        self.caches.append(built[0])
+        return built
+
+    def stored_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.directory.rglob("*") if f.is_file())
+
+
+@contextmanager
+def file_storage(directory: Path) -> Iterator[FileStorage]:
+    """The file L3 backend in ``directory`` with the single-rank topology SGLang's kit forces; the storage threads
+    of every cache built through it are stopped on exit."""
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_parallel
+
+    storage = FileStorage(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with (
+        get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1),
+        envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(directory)),
+    ):
+        try:
+            yield storage
+        finally:
+            for cache in storage.caches:
+                cache.cache_controller._stop_storage_threads()
+
+
+def pump(cache: Any, done: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Run the scheduler's per-step HiCache event round until ``done()`` (the L3 threads work in the background)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cache.check_hicache_events()
+        if done():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not finish within {timeout} s")
+        time.sleep(0.005)

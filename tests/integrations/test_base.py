@@ -1,0 +1,106 @@
+"""A second engine is one small adapter on ``integrations._base``: shown with a toy engine written by the test.
+
+The toy engine is a real module on ``sys.path``, imported only after ``instrument()``: the adapter patches it when it is
+imported, reports its offloads through the telemetry, passes through under ``suppress_instrumentation()`` and leaves
+nothing behind after ``uninstrument()`` (also when the engine was never imported while instrumented).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+from otel_hicache import semconv as sc
+from otel_hicache.integrations._base import EngineInstrumentor, Target, Wrapper
+from otel_hicache.records import TransferRecord
+from otel_hicache.telemetry import HiCacheTelemetry
+from otel_hicache.testing.sdk import Sdk
+from otel_hicache.timing import now_ns
+
+TOY_ENGINE = '''
+class KVStore:
+    def offload(self, tokens):
+        """Copy ``tokens`` tokens of KV to host memory; returns the bytes moved."""
+        return tokens * 128
+'''
+
+
+class ToyInstrumentor(EngineInstrumentor):
+    """The whole adapter: supported releases, extra pool names, and one wrapper per engine method."""
+
+    _engine = "toy engine"
+    _extra_pools = ("toy_latent",)
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return ()  # a real adapter returns its entry of otel_hicache.package
+
+    def _wrappers(self, telemetry: HiCacheTelemetry, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
+        def offload(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            start = now_ns()
+            moved = wrapped(*args, **kwargs)
+            telemetry.record_transfer(
+                TransferRecord(
+                    operation=sc.TransferOperation.BACKUP,
+                    tokens_by_pool={"kv": args[0], "toy_latent": 1},
+                    num_bytes=moved,
+                    submit_time_ns=start,
+                    complete_time_ns=now_ns(),
+                )
+            )
+            return moved
+
+        return [(Target("toy_engine", "KVStore", "offload"), offload)]
+
+
+@pytest.fixture
+def toy_engine_path(tmp_path: Path) -> Iterator[None]:
+    (tmp_path / "toy_engine.py").write_text(TOY_ENGINE)
+    sys.path.insert(0, str(tmp_path))
+    yield
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop("toy_engine", None)
+
+
+def backed_up(sdk: Sdk) -> dict[tuple[Any, ...], int]:
+    return {k: v for k, v in sdk.counters()[sc.METRIC_TRANSFER_TOKENS].items() if k[0] == "backup" and v}
+
+
+def test_a_toy_engine_is_patched_on_import_reports_and_is_restored(toy_engine_path: None, sdk: Sdk) -> None:
+    instrumentor = ToyInstrumentor()
+    instrumentor.instrument(tracer_provider=sdk.tracer_provider, meter_provider=sdk.meter_provider)
+    try:
+        assert "toy_engine" not in sys.modules  # instrument() imported nothing of the engine
+        toy_engine = importlib.import_module("toy_engine")
+        original = toy_engine.KVStore.__dict__["offload"].__wrapped__
+        store = toy_engine.KVStore()
+        assert store.offload(16) == 16 * 128
+        with suppress_instrumentation():
+            assert store.offload(1000) == 1000 * 128  # passes straight through
+        telemetry = instrumentor.telemetry
+        assert telemetry is not None
+        telemetry.flush()
+        counted = {k: v for k, v in telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS].items() if v}
+        assert counted == {("backup", "kv"): 16, ("backup", "toy_latent"): 1}  # the adapter's own pool name is known
+        (span,) = sdk.spans("hicache.backup")
+        assert span.attributes is not None and span.attributes[sc.ATTR_BYTES] == 16 * 128
+    finally:
+        instrumentor.uninstrument()
+    assert toy_engine.KVStore.__dict__["offload"] is original
+    toy_engine.KVStore().offload(8)
+    assert telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")] == 16  # nothing reported any more
+
+
+def test_uninstrument_disarms_patches_for_modules_not_imported_yet(toy_engine_path: None, sdk: Sdk) -> None:
+    instrumentor = ToyInstrumentor()
+    instrumentor.instrument(telemetry=sdk.telemetry)
+    instrumentor.uninstrument()
+    toy_engine = importlib.import_module("toy_engine")
+    assert not hasattr(toy_engine.KVStore.__dict__["offload"], "__wrapped__")
+    toy_engine.KVStore().offload(8)
+    assert backed_up(sdk) == {}
