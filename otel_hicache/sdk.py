@@ -127,10 +127,12 @@ class TelemetrySetup:
         deadline = time.monotonic() + timeout_s
         self.telemetry.flush(timeout_s)
         remaining = max(0.0, deadline - time.monotonic())
-        flush = getattr(self.tracer_provider, "force_flush", None)
-        jobs = [] if flush is None else [lambda: flush(int(remaining * 1000))]
-        jobs += [lambda r=reader: r.force_flush(int(remaining * 1000)) for reader in self._push_readers]
-        _bounded(jobs, remaining)
+        millis = int(remaining * 1000)
+        flushers: list[Any] = [
+            getattr(self.tracer_provider, "force_flush", None),
+            *(r.force_flush for r in self._push_readers),
+        ]
+        _bounded([functools.partial(flush, millis) for flush in flushers if flush is not None], remaining)
 
     def shutdown(self, timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         """Hand the last records over and stop everything, in at most about ``timeout_s`` whatever the collector
@@ -418,7 +420,7 @@ def _providers(plan: Mapping[str, Any], prometheus: tuple[Any, MetricReader, Any
     elif traces_kind == "embedded":
         recent = RecentSpans()
         tracer_provider.add_span_processor(SimpleSpanProcessor(recent))
-    push = [r for r in readers if isinstance(r, PeriodicExportingMetricReader)]
+    push: list[MetricReader] = [r for r in readers if isinstance(r, PeriodicExportingMetricReader)]
     address = None if prometheus is None else prometheus[0]
     return _Built(tracer_provider, meter_provider, memory_reader, recent, address, closers, push)
 

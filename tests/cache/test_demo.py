@@ -28,7 +28,8 @@ def test_two_hundred_requests_exercise_every_path_and_match_telemetry(demo_sdk) 
     result = run_demo(demo_sdk.telemetry, requests=200, device="cpu", progress=seen.append)
     assert result.requests == 200 and seen == list(range(1, 201))
     assert result.wall_time_s < 30
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "otel-hicache-l3-*"))) == before  # temp L3 removed
+    left = set(glob.glob(os.path.join(tempfile.gettempdir(), "otel-hicache-l3-*"))) - before
+    assert not left  # its temporary L3 store removed (others' may come and go meanwhile)
     for op in ("backup", "load_back", "storage_backup", "storage_prefetch"):
         assert result.copied_tokens[op]["kv"] > 0 and result.copied_bytes[op]["draft"] > 0
     assert result.evicted_tokens["device"] > 0 and result.evicted_tokens["host"] > 0

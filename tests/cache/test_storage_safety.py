@@ -25,8 +25,8 @@ from otel_hicache.cache.hicache import HiCache
 from otel_hicache.cache.pools import PoolGroup
 from otel_hicache.cache.storage import FileStore, StorageJob
 from otel_hicache.semconv import Tier, TransferOperation
-from tests.cache.conftest import POOLS, expected_value, read_value, small_config, verify_tree
 from otel_hicache.testing.sdk import make_sdk
+from tests.cache.support import POOLS, expected_value, read_value, small_config, verify_tree
 
 REPO = Path(__file__).parents[2]
 PS = 4
