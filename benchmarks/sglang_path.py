@@ -300,7 +300,8 @@ def _table(paths: list[_Path], params: Params, checks: dict[str, bool], command:
         key="sglang",
         title="1b. Reporting cost per backup ack on the real SGLang 0.5.23 writing_check, both call patterns (CPU)",
         columns=["call pattern", "path", "writing_check CPU/ack p50 (ns)", "p99 (ns)", "added p50 (ns)",
-                 "x prometheus_client", "empty check added (ns/step)", "submit CPU/ack p50 (ns)",
+                 "x prometheus_client", "empty check added (ns/step)", "x prometheus_client, ack + empty check",
+                 "submit CPU/ack p50 (ns)",
                  "submit added (ns)", "host-process CPU/ack added (ns)"],
         command=command,
         checks=checks,
@@ -311,18 +312,22 @@ def _table(paths: list[_Path], params: Params, checks: dict[str, bool], command:
         base_check, base_submit, base_empty = median(base.check_ns), median(base.submit_ns), median(base.empty_ns)
         base_host = median(base.host_ns)
         prom_added = median(prom.check_ns) - base_check
+        prom_both = prom_added + median(prom.empty_ns) - base_empty
         for p in paths:
             s = p.stats[pattern]
             added = median(s.check_ns) - base_check
             ratio = added / prom_added if prom_added > 0 else float("nan")
+            empty_added = median(s.empty_ns) - base_empty
+            both = (added + empty_added) / prom_both if prom_both > 0 else float("nan")
             submit = median(s.submit_ns)
             host = median(s.host_ns) - base_host
             table.rows.append([pattern, p.name, median(s.check_ns), percentile(s.check_ns, 99), added,
-                               "-" if p is paths[0] else ratio, median(s.empty_ns) - base_empty, submit,
-                               submit - base_submit, "-" if p is paths[0] else host])  # fmt: skip
+                               "-" if p is paths[0] else ratio, empty_added, "-" if p is paths[0] else both,
+                               submit, submit - base_submit, "-" if p is paths[0] else host])  # fmt: skip
             table.data[f"{pattern}/{p.name}"] = {
                 "pattern": pattern, "check_p50": median(s.check_ns), "added_p50": added, "ratio_vs_prometheus": ratio,
-                "submit_p50": submit, "empty_added": median(s.empty_ns) - base_empty, "host_cpu_added": host,
+                "submit_p50": submit, "empty_added": empty_added, "ratio_with_empty_check": both,
+                "host_cpu_added": host,
             }  # fmt: skip
         ours = table.data[f"{pattern}/otel_hicache instrumentor, OTLP"]["ratio_vs_prometheus"]
         goals[pattern] = bool(ours <= RATIO_GOAL)
@@ -342,7 +347,9 @@ def _table(paths: list[_Path], params: Params, checks: dict[str, bool], command:
         "writing_check CPU = time.thread_time_ns() around the consuming call (count, pop, synchronise, "
         "finish_write_through: tree and locks, report), summed over a batch / acks; p50/p99 over batches. "
         "'x prometheus_client' = added CPU / prometheus_client's added CPU for the same pattern "
-        f"(goal for otel_hicache: <= {RATIO_GOAL:g}).",
+        f"(goal for otel_hicache: <= {RATIO_GOAL:g}); 'ack + empty check' = the same for one consuming check plus "
+        "one empty check (a step pair), where a hook that cannot tell an empty check from its arguments "
+        "(writing_check() has no finish_count) pays its bookkeeping on every step.",
         "submit CPU = time.thread_time_ns() around flush_pending_backups() per ack: merge, the CPU index copy "
         "(shim), the ack; otel_hicache's start_writing hook runs here (the copy dominates, so this column is noisy).",
         "host-process CPU/ack added = time.process_time_ns() of the whole process (every thread; the OTLP receiver "

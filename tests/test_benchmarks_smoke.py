@@ -115,3 +115,4 @@ def test_real_sglang_ack_path_smoke(tmp_path: Path) -> None:
     for name, values in table["data"].items():
         if name != "goals":
             assert _sane(values["check_p50"]) and values["check_p50"] > 0, name
+            assert {"ratio_vs_prometheus", "ratio_with_empty_check", "host_cpu_added"} <= set(values), name
