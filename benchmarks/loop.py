@@ -186,7 +186,7 @@ def _run(params: Params, device: str, command: str) -> Table:
     paths = [
         _Path(OFF, None),
         _Path(PROMETHEUS, PrometheusReporter()),
-        _Path(HICACHE, OtelHiCacheReporter(setup.telemetry, events.source, setup.force_flush), setup.force_flush),
+        _Path(HICACHE, OtelHiCacheReporter(setup.telemetry, events.source), setup.force_flush),
     ]
     sent = 0
     try:
@@ -290,16 +290,15 @@ def _block(path: _Path, pools: _Pools, shape: _Shape, steps: int) -> _Block:
 
 
 def _spans_received(collector: CollectorProcess, sent: int, timeout_s: float = 30.0) -> int:
-    """Transfer spans the receiver got, once it has them all or stopped getting more."""
+    """Transfer spans the receiver got, once it has them all or after ``timeout_s`` (an exporter in another
+    process may still be sending when the flush returns)."""
     deadline = time.monotonic() + timeout_s
-    last = -1
     while True:
         by_name = collector.stats()["spans_by_name"]
         got = sum(n for name, n in by_name.items() if name in _SPAN_NAMES)
-        if got >= sent or time.monotonic() > deadline or (got == last and got > 0):
+        if got >= sent or time.monotonic() > deadline:
             return got
-        last = got
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def _stat(blocks: list[_Block], key: str) -> float:
@@ -403,8 +402,10 @@ def _table(paths: list[_Path], shapes: list[_Shape], params: Params, device: str
         "getrusage(RUSAGE_THREAD).ru_nvcsw (not timed). Pure-Python work blocks only to wait for the GIL, so a "
         "chunk during which the thread's voluntary context switches rose is a GIL wait: its excess over the block's "
         "median chunk is how long other threads of the host held the GIL at once (an upper bound: it includes the "
-        "hand-over, and any preemption of the holder). The copy releases the GIL (torch), so a copy+check during "
-        "which the thread blocked counts the same way, against the block's median copy+check. A long chunk "
+        "hand-over, and any preemption of the holder; a busy holder is made to yield after sys.getswitchinterval(), "
+        "5 ms by default). The copy releases the GIL (torch), so a copy+check during "
+        "which the thread blocked counts the same way, against the block's median copy+check (a lock the reporting "
+        "call waits for counts too: it is a background thread stopping the scheduler all the same). A long chunk "
         "without a voluntary switch is OS preemption (other processes on the cores) and is not counted. 'longest "
         f"GIL wait' = max over all blocks; 'GIL waits > {GIL_GOAL_NS / 1e3:g} us' = how many; the off path, measured "
         "the same way in the same run, is the noise floor (the idle telemetry threads exist there too). Goal <= "
