@@ -17,6 +17,7 @@ longest such GIL wait is measured in the same run for every path, so the off pat
 
 from __future__ import annotations
 
+import gc
 import resource
 import time
 from array import array
@@ -235,6 +236,7 @@ def _block(path: _Path, pools: _Pools, shape: _Shape, steps: int) -> _Block:
     chunk_blocked: list[int] = []  # chunks during which the thread blocked
     transfer_ns = array("q")  # the copy and check part of each step
     transfer_blocked: list[int] = []  # those during which the thread blocked
+    gc.collect()  # every block starts from the same collector state (outside the measurement)
     reported = 0
     report_cpu = 0  # this thread's CPU in the completion checks, where the transfers are reported
     c0, m0, w0 = cpu_ns(), thread_ns(), perf_ns()
@@ -413,7 +415,8 @@ def _table(paths: list[_Path], shapes: list[_Shape], params: Params, device: str
         "whatever the cause.",
         f"OTLP gRPC to a receiver in a child process (benchmarks._collector); default exporter and processor "
         f"settings. Spans: {sent:,} transfers reported by otel_hicache, {got:,} received (after a flush outside the "
-        "timed steps). torch.set_num_threads(1) during the run (two OpenMP threads spinning on 2 cores preempt the "
+        "timed steps). gc.collect() before each block; collections triggered inside a block count where they run. "
+        "torch.set_num_threads(1) during the run (two OpenMP threads spinning on 2 cores preempt the "
         "scheduler thread in every path).",
     ]
     if _RUSAGE_THREAD is None:
