@@ -1,4 +1,4 @@
-"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,all} ... [--smoke] [--device cpu|cuda] ...``
+"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,all} ... [--smoke] [--device cpu|cuda] [--rates R,R]``
 
 Prints one markdown table per benchmark (plus the machine line); ``--markdown FILE`` / ``--json FILE`` also write
 them. Exits 1 when a correctness check (ground truth, accounting) failed; never because of a timing.
@@ -26,6 +26,8 @@ def _command(args: argparse.Namespace, name: str) -> str:
         parts += ["--soak-seconds", f"{args.soak_seconds:g}"]
     if name == "soak" and args.soak_rate is not None:
         parts += ["--soak-rate", f"{args.soak_rate:g}"]
+    if name == "loop" and args.rates is not None:
+        parts += ["--rates", ",".join(f"{r:g}" for r in args.rates)]
     return " ".join(parts)
 
 
@@ -38,7 +40,10 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[], Table | None]:
     if name == "loop":
         from benchmarks import loop
 
-        return lambda: loop.run(loop.Params.smoke() if args.smoke else loop.Params(), args.device, command)
+        loop_params = loop.Params.smoke() if args.smoke else loop.Params()
+        if args.rates is not None:
+            loop_params.rates = args.rates
+        return lambda: loop.run(loop_params, args.device, command)
     if name == "soak":
         from benchmarks import soak
 
@@ -57,6 +62,16 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[], Table | None]:
     return lambda: sglang_path.run(args.smoke, command)
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not all(0 < r <= 100_000 for r in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: every rate must be in (0, 100000] transfers per second")
+    return rates
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
     parser.add_argument("benchmark", nargs="+", choices=(*NAMES, "all"), help="which to run ('all': every one)")
@@ -66,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the raw numbers to FILE")
     parser.add_argument("--soak-seconds", type=float, default=None, help="paced phase of the soak (default 120)")
     parser.add_argument("--soak-rate", type=float, default=None, help="paced transfers per second (default 2000)")
+    parser.add_argument("--rates", type=_rates, default=None, help="loop: transfers per second, comma-separated "
+                        "(default 200,1000)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.device == "cuda":
         import torch

@@ -9,7 +9,7 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -74,6 +74,17 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return percentile(values, 50.0)
+
+
+def flush_cpu_ns(flush: Callable[[], object]) -> int:
+    """Process CPU (all threads) of ``flush()``, less that of a second flush right after it, which has nothing
+    left to export: what remains is the work the flush pushed out (span export), not its fixed cost (a forced
+    metric collection and export, which a running process pays once per export interval, not once per block)."""
+    c0 = time.process_time_ns()
+    flush()
+    c1 = time.process_time_ns()
+    flush()
+    return 2 * c1 - c0 - time.process_time_ns()
 
 
 def slope_per_minute(samples: Sequence[tuple[float, float]]) -> float:

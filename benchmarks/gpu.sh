@@ -16,7 +16,7 @@ cd "$ROOT"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv \
   >"$OUT/gpu.txt" 2>&1 || true
-# 540 s in all: hot path ~20 s, loop ~60 s, transfer ~30 s, soak 180 s + burst, with room to spare.
+# 540 s in all: hot path ~20 s, loop ~2 min, transfer ~30 s, soak 180 s + burst, with room to spare.
 timeout 540 "$PY" -m benchmarks hotpath loop transfer soak --device cuda --soak-seconds 180 \
   --markdown "$OUT/RESULTS.md" --json "$OUT/results.json"
 echo "benchmarks/gpu.sh: tables in $OUT/RESULTS.md"

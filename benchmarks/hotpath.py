@@ -10,9 +10,10 @@ Measured per batch of acks (the batch is the timed unit; per-ack figures are the
   GIL waits);
 * calling-thread wall: ``time.perf_counter_ns()`` around the same batch (includes GIL waits caused by other
   threads);
-* total process CPU: ``time.process_time_ns()`` from the block's start until its spans were created and exported
-  (``flush``), all threads together, divided by the block's acks. The OTLP receiver runs in a child process, so
-  its decoding is not counted (as with a real Collector).
+* host-process CPU: ``time.process_time_ns()`` from the block's start until its spans were created and exported
+  (``setup.force_flush()``, less a second, empty flush: see :func:`benchmarks._common.flush_cpu_ns`), all threads
+  of this process together, divided by the block's acks. The OTLP receiver runs in a child process, so its
+  decoding is not counted (as with a real Collector), nor is an export process's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks._collector import CollectorProcess
-from benchmarks._common import Table, median, percentile
+from benchmarks._common import Table, flush_cpu_ns, median, percentile
 from benchmarks.ackpath import (
     BACKUP,
     LOAD_BACK,
@@ -37,6 +38,9 @@ from benchmarks.ackpath import (
 from otel_hicache import semconv as sc
 from otel_hicache.sdk import TelemetrySetup, configure
 
+#: Goals for otel_hicache (OTLP): added calling-thread CPU vs prometheus_client's, and added host-process CPU.
+RATIO_GOAL = 0.3
+HOST_CPU_GOAL_NS = 10_000
 BYTES_PER_TOKEN = 131_072  # Llama-3-8B bf16 KV: 32 layers x 8 kv heads x 128 dim x 2 (K, V) x 2 bytes
 
 
@@ -58,17 +62,8 @@ class _Path:
     flush: Callable[[], None] = lambda: None
     cpu: list[float] = field(default_factory=list)  # calling-thread CPU ns per ack, one value per batch
     wall: list[float] = field(default_factory=list)
-    total: list[float] = field(default_factory=list)  # process CPU ns per ack, one value per block
+    total: list[float] = field(default_factory=list)  # host-process CPU ns per ack, one value per block
     tokens: dict[str, int] = field(default_factory=lambda: {BACKUP.value: 0, LOAD_BACK.value: 0})
-
-
-def _flusher(setup: TelemetrySetup, telemetry: bool) -> Callable[[], None]:
-    def flush() -> None:
-        if telemetry:
-            setup.telemetry.flush()
-        setup.tracer_provider.force_flush()  # type: ignore[attr-defined]
-
-    return flush
 
 
 def run(params: Params, device: str = "cpu", command: str = "") -> Table:
@@ -82,12 +77,12 @@ def run(params: Params, device: str = "cpu", command: str = "") -> Table:
         _Path("uninstrumented", None),
         _Path("prometheus_client (SGLang today)", prom),
         _Path("naive OTel SDK, OTLP", NaiveOtelReporter(otlp.tracer_provider, otlp.meter_provider),
-              _flusher(otlp, False)),
-        _Path("otel_hicache, OTLP", OtelHiCacheReporter(otlp.telemetry, events.source), _flusher(otlp, True)),
+              otlp.force_flush),
+        _Path("otel_hicache, OTLP", OtelHiCacheReporter(otlp.telemetry, events.source), otlp.force_flush),
         _Path("naive OTel SDK, embedded", NaiveOtelReporter(embedded.tracer_provider, embedded.meter_provider),
-              _flusher(embedded, False)),
+              embedded.force_flush),
         _Path("otel_hicache, embedded", OtelHiCacheReporter(embedded.telemetry, events.source),
-              _flusher(embedded, True)),
+              embedded.force_flush),
     ]  # fmt: skip
     try:
         # warm-up: first calls build label children, series, the worker thread, the gRPC channel
@@ -122,9 +117,9 @@ def _block(path: _Path, ack_path: SyntheticAckPath, rng: random.Random, batches:
         if record:
             path.cpu.append((c1 - c0) / batch)
             path.wall.append((w1 - w0) / batch)
-    path.flush()
+    cpu = process_ns() - p0 + flush_cpu_ns(path.flush)
     if record:
-        path.total.append((process_ns() - p0) / (batches * batch))
+        path.total.append(cpu / (batches * batch))
 
 
 def _ground_truth(paths: list[_Path], prom: PrometheusReporter, otlp: TelemetrySetup,
@@ -154,7 +149,7 @@ def _table(paths: list[_Path], params: Params, device: str, checks: dict[str, bo
         title=f"1. Reporting cost per merged transfer on the scheduler thread (synthetic writing_check, {device})",
         columns=[
             "path", "thread CPU/ack p50 (ns)", "p99 (ns)", "added p50 (ns)", "x prometheus_client",
-            "wall/ack p50 (ns)", "wall p99 (ns)", "total CPU/ack incl. background (ns)", "added total (ns)",
+            "wall/ack p50 (ns)", "wall p99 (ns)", "host-process CPU/ack, all threads (ns)", "added host CPU (ns)",
         ],
         command=command,
         checks=checks,
@@ -172,20 +167,25 @@ def _table(paths: list[_Path], params: Params, device: str, checks: dict[str, bo
             "total_cpu_p50": median(p.total), "added_total_cpu_p50": median(p.total) - base_total,
         }  # fmt: skip
     hicache = table.data["otel_hicache, OTLP"]
-    table.data["goal_met"] = bool(hicache["ratio_vs_prometheus"] <= 0.5)
+    table.data["goal_met"] = bool(hicache["ratio_vs_prometheus"] <= RATIO_GOAL)
+    table.data["host_cpu_goal_met"] = bool(hicache["added_total_cpu_p50"] <= HOST_CPU_GOAL_NS)
     table.notes += [
         f"{params.reps} interleaved repetitions x {params.batches_per_block} batches x {params.batch} acks per path; "
         "batches alternate backup (writing_check) and load_back (loading_check); one {'kv': 64..512 tokens} ack, "
         f"bytes = tokens x {BYTES_PER_TOKEN}; timing on ({'CUDA events' if device == 'cuda' else 'host clock'}).",
         "thread CPU = time.thread_time_ns() around each batch / batch size; wall = time.perf_counter_ns() around "
         "the same batch; p50/p99 are over batches. 'added' = path minus uninstrumented; 'x prometheus_client' = "
-        "added thread CPU / prometheus_client's added thread CPU (goal for otel_hicache: <= 0.5).",
-        "total CPU = time.process_time_ns() over a block of acks plus the flush that creates and exports its spans "
-        "(all threads of this process; the OTLP receiver is a child process), per ack, median over blocks. "
-        "Metric export (every 60 s by default) is per interval, not per ack, and is not included.",
-        "embedded = configure() with no endpoint: in-memory metric reader, spans to a bounded in-process buffer "
-        "(SimpleSpanProcessor). OTLP = gRPC exporters with BatchSpanProcessor to a receiver in a child process.",
-        f"Goal otel_hicache (OTLP) <= 0.5x prometheus_client added thread CPU: "
-        f"{'met' if table.data['goal_met'] else 'NOT met'} ({hicache['ratio_vs_prometheus']:.2f}x).",
+        f"added thread CPU / prometheus_client's added thread CPU (goal for otel_hicache: <= {RATIO_GOAL:g}).",
+        "host-process CPU = time.process_time_ns() over a block of acks (submission included) plus the "
+        "setup.force_flush() that creates and exports its spans, less a second, empty flush (a forced metric "
+        "export, which by default happens once per 60 s, not per block); all threads of this process (the OTLP "
+        "receiver is a child process, as is any export process), per ack, median over blocks. 'added' = minus "
+        f"the uninstrumented path's (goal for otel_hicache, OTLP: <= {HOST_CPU_GOAL_NS / 1e3:g} us).",
+        "embedded = configure() with no endpoint (no collector: the summary's in-process readers). OTLP = "
+        "configure(endpoint=..., protocol='grpc'), every span exported to a receiver in a child process.",
+        f"Goals for otel_hicache (OTLP): <= {RATIO_GOAL:g}x prometheus_client added thread CPU: "
+        f"{'met' if table.data['goal_met'] else 'NOT met'} ({hicache['ratio_vs_prometheus']:.2f}x); added "
+        f"host-process CPU <= {HOST_CPU_GOAL_NS / 1e3:g} us per transfer: "
+        f"{'met' if table.data['host_cpu_goal_met'] else 'NOT met'} ({hicache['added_total_cpu_p50'] / 1e3:.1f} us).",
     ]
     return table

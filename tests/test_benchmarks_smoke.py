@@ -61,7 +61,7 @@ def test_every_correctness_check_passed(smoke: tuple[str, dict[str, Any]]) -> No
 
 def test_hot_path_measures_all_six_paths_with_sane_numbers(smoke: tuple[str, dict[str, Any]]) -> None:
     data = smoke[1]["hotpath"]["data"]
-    paths = [k for k in data if k != "goal_met"]
+    paths = [k for k in data if not k.endswith("goal_met")]
     assert len(paths) == 6
     assert {"uninstrumented", "prometheus_client (SGLang today)", "otel_hicache, OTLP"} <= set(paths)
     for name in paths:
@@ -71,11 +71,17 @@ def test_hot_path_measures_all_six_paths_with_sane_numbers(smoke: tuple[str, dic
     assert math.isfinite(data["otel_hicache, OTLP"]["ratio_vs_prometheus"])
 
 
-def test_loop_steps_are_timed_and_every_span_arrives(smoke: tuple[str, dict[str, Any]]) -> None:
+def test_loop_measures_every_path_at_both_rates_and_every_span_arrives(smoke: tuple[str, dict[str, Any]]) -> None:
     data = smoke[1]["loop"]["data"]
-    for name in ("instrumentation off", "prometheus_client (SGLang today)", "naive OTel SDK, OTLP",
-                 "otel_hicache, OTLP"):  # fmt: skip
-        assert data[name]["steps"] > 0 and _sane(data[name]["p50_ns"]) and data[name]["p50_ns"] > 0
+    for rate in ("200", "1000"):
+        for name in ("instrumentation off", "prometheus_client (SGLang today)",
+                     "otel_hicache, OTLP (receiver in a child process)"):  # fmt: skip
+            path = data[f"{rate}/{name}"]
+            assert path["steps"] > 0 and path["achieved_per_s"] > 0
+            assert all(_sane(path[k]) and path[k] > 0 for k in ("p50_ns", "p99_ns", "mean_ns"))
+            assert _sane(path["longest_gil_wait_ns"]) and math.isfinite(path["host_cpu_ns_per_transfer"])
+        # every goal of the issue is evaluated (met or not: benchmarks do not assert timings)
+        assert len(data["goals"][rate]) == 5
     assert data["spans_sent"] > 0 and data["spans_received"] == data["spans_sent"]
 
 
@@ -104,6 +110,9 @@ def test_real_sglang_ack_path_smoke(tmp_path: Path) -> None:
     _, tables = _run(tmp_path, "sglang")
     table = tables["sglang"]
     assert all(table["checks"].values()), table["checks"]
-    assert len(table["rows"]) == 4
+    assert len(table["rows"]) == 8
+    assert set(table["data"]["goals"]) == {"writing_check(finish_count=n)", "writing_check()"}
     for name, values in table["data"].items():
-        assert _sane(values["check_p50"]) and values["check_p50"] > 0, name
+        if name != "goals":
+            assert _sane(values["check_p50"]) and values["check_p50"] > 0, name
+            assert {"ratio_vs_prometheus", "ratio_with_empty_check", "host_cpu_added"} <= set(values), name
