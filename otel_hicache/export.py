@@ -33,7 +33,10 @@ class Emitter:
     """Creates the instruments on ``meter_provider`` and turns records into spans and histogram points.
 
     ``before_collect`` runs at the start of each collection (the in-process consumer uses it to count deferred
-    records and read the pool sources first, so a collection is exact).
+    records and read the pool sources first, so a collection is exact). ``token_metrics=False`` leaves out the
+    instruments counted in tokens (unit ``{token}``: logical flows, the same on every tensor-parallel rank), so that
+    only one rank of a TP group reports them and no sum across ranks multiplies them; bytes, durations and spans are
+    per rank and always reported.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class Emitter:
         meter_provider: metrics.MeterProvider | None,
         *,
         spans: bool = True,
+        token_metrics: bool = True,
         before_collect: Callable[[], None] | None = None,
     ) -> None:
         self._counters = counters
@@ -52,6 +56,8 @@ class Emitter:
         meter = metrics.get_meter(sc.INSTRUMENTATION_SCOPE, __version__, meter_provider)
         self._histograms: dict[str, Any] = {}
         for spec in sc.INSTRUMENTS:
+            if spec.unit == sc.UNIT_TOKEN and not token_metrics:
+                continue
             if spec.kind == "histogram":
                 self._histograms[spec.name] = meter.create_histogram(
                     spec.name, spec.unit, spec.description, explicit_bucket_boundaries_advisory=spec.buckets

@@ -197,7 +197,8 @@ def main(argv: list[str]) -> None:
     channel = Channel(Layout(config["pools"], config["seed_pools"], HEADER_INTS), config["capacity"], shared=True,
                       fd=channel_fd)  # fmt: skip
     tracer_provider, meter_provider = export_providers(config)
-    emitter = Emitter(channel.counters, tracer_provider, meter_provider, spans=config["spans"])
+    emitter = Emitter(channel.counters, tracer_provider, meter_provider, spans=config["spans"],
+                      token_metrics=config["token_metrics"])  # fmt: skip
     ints = channel.ints
     ints[EXPORTER_PID] = os.getpid()
     timeout_ms = int(config.get("final_timeout_s", FINAL_TIMEOUT_S) * 1000)

@@ -287,6 +287,7 @@ def configure(
     pools: Sequence[str] = (sc.DEFAULT_POOL,),
     extra_pools: Sequence[str] = (),
     cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT,
+    token_metrics: bool = True,
     set_global: bool = False,
     env: Mapping[str, str] | None = None,
 ) -> TelemetrySetup:
@@ -296,6 +297,8 @@ def configure(
     :class:`ConfigError` with no thread started and no port bound. ``set_global=True`` also installs this process's
     providers as the OTel globals. Exporting over OTLP (and nothing in-process such as a Prometheus endpoint), the
     telemetry's spans and metrics are built and exported by an export process of its own, started on first use.
+    ``token_metrics=False`` leaves out the instruments counted in tokens (on all but one rank of a tensor-parallel
+    group: see :class:`HiCacheTelemetry`).
     """
     env = os.environ if env is None else env
     _validate_env(env)
@@ -305,7 +308,8 @@ def configure(
         raise ConfigError("cardinality_limit must be >= 1")
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         noop_t, noop_m = trace.NoOpTracerProvider(), metrics.NoOpMeterProvider()
-        telemetry = HiCacheTelemetry(noop_t, noop_m, pools=pools, extra_pools=extra_pools, spans=False)
+        telemetry = HiCacheTelemetry(noop_t, noop_m, pools=pools, extra_pools=extra_pools, spans=False,
+                                     token_metrics=token_metrics)  # fmt: skip
         return TelemetrySetup(telemetry, noop_t, noop_m, "disabled")
 
     any_endpoint = endpoint or any(
@@ -342,6 +346,7 @@ def configure(
         "endpoint": endpoint,
         "cardinality_limit": cardinality_limit,
         "spans": True,
+        "token_metrics": token_metrics,
     }
     built = _build(plan, prometheus_host, prometheus_port)
     if set_global:
@@ -352,7 +357,8 @@ def configure(
         telemetry = HiCacheTelemetry(pools=pools, extra_pools=extra_pools, consumer=consumer)
         mode = "otlp"
     else:
-        telemetry = HiCacheTelemetry(built.tracer_provider, built.meter_provider, pools=pools, extra_pools=extra_pools)
+        telemetry = HiCacheTelemetry(built.tracer_provider, built.meter_provider, pools=pools, extra_pools=extra_pools,
+                                     token_metrics=token_metrics)  # fmt: skip
         mode = next((k for k in ("otlp", "embedded", "console") if k in (traces_kind, metrics_kind)), "prometheus")
     setup = TelemetrySetup(telemetry, built.tracer_provider, built.meter_provider, mode, built.memory_reader,
                            built.recent_spans, built.prometheus_address, built.closers, built.push_readers)  # fmt: skip

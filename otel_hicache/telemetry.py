@@ -87,6 +87,8 @@ class HiCacheTelemetry:
         max_queue: records awaiting their span (ring slots), and deferred records awaiting their build.
         flush_interval_s: how often queued records are turned into spans in this process.
         spans: create one span per merged transfer (metrics are unaffected either way).
+        token_metrics: report the instruments counted in tokens; ``False`` on all but one rank of a tensor-parallel
+            group, where token flows are logical (the same on every rank) and a sum across ranks would multiply them.
         consumer: a factory for another consumer of the ring (``configure()`` passes the export process).
     """
 
@@ -100,6 +102,7 @@ class HiCacheTelemetry:
         max_queue: int = 8192,
         flush_interval_s: float = 0.2,
         spans: bool = True,
+        token_metrics: bool = True,
         consumer: Callable[[Channel], Consumer] | None = None,
     ) -> None:
         if max_queue < 1 or not flush_interval_s > 0:
@@ -126,7 +129,7 @@ class HiCacheTelemetry:
         if consumer is None:
             before_collect = weakref.WeakMethod(self._before_collect)  # the provider must not keep us alive
             self._consumer: Consumer = InProcessConsumer(
-                self._channel, tracer_provider, meter_provider, spans=spans,
+                self._channel, tracer_provider, meter_provider, spans=spans, token_metrics=token_metrics,
                 before_collect=lambda: (before_collect() or _nothing)(),
             )  # fmt: skip
         else:
@@ -476,11 +479,12 @@ class InProcessConsumer:
         meter_provider: metrics.MeterProvider | None,
         *,
         spans: bool,
+        token_metrics: bool,
         before_collect: Callable[[], None],
     ) -> None:
         self._channel = channel
         self._emitter = Emitter(channel.counters, tracer_provider, meter_provider, spans=spans,
-                                before_collect=before_collect)  # fmt: skip
+                                token_metrics=token_metrics, before_collect=before_collect)  # fmt: skip
         self._emit_lock = threading.Lock()  # one consumer at a time: the ring has a single consumer side
 
     def start(self) -> None:

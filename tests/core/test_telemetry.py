@@ -453,3 +453,23 @@ class TestDeferredRecords:
         assert sdk.value(sc.METRIC_RECORDS_REJECTED, shed) == 16  # 4 queued behind the hung one, 16 shed
         assert sdk.value(sc.METRIC_TRANSFER_TOKENS, op_pool("backup", "kv")) == 1 + 4
         sdk.telemetry.shutdown()
+
+
+def test_token_metrics_off_leaves_out_every_instrument_counted_in_tokens_and_keeps_the_rest() -> None:
+    sdk = make_sdk(token_metrics=False)  # a tensor-parallel rank other than the one that reports token flows
+    sdk.telemetry.record_transfer(backup({"kv": 16}, 4096))
+    sdk.telemetry.record_prefix_split(PrefixSplit(10, 5, 0, 0))
+    sdk.telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.HOST, "kv", 1, 2)])
+    reported = set(sdk.metrics())
+    in_tokens = {spec.name for spec in sc.INSTRUMENTS if spec.unit == sc.UNIT_TOKEN}
+    assert in_tokens == {
+        sc.METRIC_TRANSFER_TOKENS, sc.METRIC_DROPPED_TOKENS, sc.METRIC_EVICTION_TOKENS, sc.METRIC_PREFILL_TOKENS,
+        sc.METRIC_POOL_USAGE, sc.METRIC_POOL_LIMIT,
+    }  # fmt: skip
+    assert not reported & in_tokens
+    assert {sc.METRIC_TRANSFER_SIZE, sc.METRIC_TRANSFER_DURATION} <= reported  # bytes and time are per rank
+    assert (
+        sdk.value(sc.METRIC_TRANSFER_SIZE, {sc.ATTR_OPERATION: "backup", sc.ATTR_TIMING_SOURCE: "cuda_event"}) == 4096
+    )
+    assert sdk.spans()[0].attributes["hicache.transfer.tokens.kv"] == 16  # the span still says what moved
+    sdk.shutdown()
