@@ -178,6 +178,7 @@ def validate(
     bsp_timeout = _integer(env, "OTEL_BSP_EXPORT_TIMEOUT", low=0)
     limits = {name: _span_limit(env, name) for name in SPAN_LIMITS}
     _retryable_codes(env)
+    _entry_point(env, "OTEL_PYTHON_CONTEXT", "opentelemetry_context")
 
     prometheus_port_out = prometheus_port
     if metrics_kind == "prometheus" and prometheus_port is None:
@@ -482,6 +483,18 @@ def _signal(env: Mapping[str, str], signal: str, endpoint: str | None, protocol:
         timeout_s=timeout,
         insecure=insecure,
     )
+
+
+def _entry_point(env: Mapping[str, str], name: str, group: str) -> None:
+    """A variable naming a plugin: one of the installed entry points of ``group``."""
+    raw = _raw(env, name)
+    if raw is None:
+        return
+    from importlib.metadata import entry_points
+
+    installed = sorted(ep.name for ep in entry_points(group=group))
+    if raw.strip() not in installed:
+        raise ConfigError(_bad(name, raw, f"one of the installed {group} entry points: {', '.join(installed)}"))
 
 
 def _retryable_codes(env: Mapping[str, str]) -> None:

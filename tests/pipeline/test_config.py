@@ -72,6 +72,7 @@ BAD_ENV: list[tuple[dict[str, str], str]] = [
     ({"OTEL_EXPORTER_PROMETHEUS_PORT": "99999"}, "OTEL_EXPORTER_PROMETHEUS_PORT='99999' is not valid; use an integer 0-65535"),
     ({"OTEL_EXPORTER_PROMETHEUS_PORT": "9464.5"}, "OTEL_EXPORTER_PROMETHEUS_PORT='9464.5'"),
     ({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "local host"}, "OTEL_EXPORTER_PROMETHEUS_HOST='local host' is not valid; use a host name or IP address"),
+    ({"OTEL_PYTHON_CONTEXT": "threadlocal"}, "OTEL_PYTHON_CONTEXT='threadlocal' is not valid; use one of the installed opentelemetry_context entry points: contextvars_context"),
     ({"OTEL_PYTHON_EXPORTER_OTLP_GRPC_RETRYABLE_ERROR_CODES": "UNAVAILABLE,NOPE"}, "OTEL_PYTHON_EXPORTER_OTLP_GRPC_RETRYABLE_ERROR_CODES='UNAVAILABLE,NOPE' is not valid; use comma-separated gRPC status code names"),
 ]  # fmt: skip
 
