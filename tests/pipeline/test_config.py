@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from otel_hicache import config
 from otel_hicache.config import SPAN_LIMITS, ConfigError, validate
 from tests.pipeline.conftest import free_port
 
@@ -167,8 +168,9 @@ def test_a_taken_prometheus_port_is_refused_and_the_retry_on_it_succeeds_once_it
 
 @pytest.mark.parametrize("value", ["maybe", "1", "yes", "on"])
 def test_a_boolean_other_than_true_or_false_warns_once_and_reads_as_false(
-    value: str, caplog: pytest.LogCaptureFixture
+    value: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(config, "_warned", set())  # "once" is per process: start from none warned yet
     env = {"OTEL_EXPORTER_OTLP_INSECURE": value, "OTEL_SDK_DISABLED": value}
     with caplog.at_level(logging.WARNING, logger="otel_hicache.config"):
         first, second = validate(env), validate(env)
