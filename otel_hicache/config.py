@@ -19,7 +19,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -110,7 +110,6 @@ class Settings:
     pools: tuple[str, ...]
     cardinality_limit: int
     internal_metrics: bool | None  # None: OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED unset
-    endpoint_argument: str | None = field(default=None, repr=False)
 
 
 def validate(
@@ -217,7 +216,6 @@ def validate(
         pools=tuple(pools),
         cardinality_limit=cardinality_limit,
         internal_metrics=_boolean(env, "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED"),
-        endpoint_argument=endpoint,
     )
 
 
