@@ -10,7 +10,8 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY otel_hicache ./otel_hicache
-RUN pip install . && useradd --create-home --uid 10001 demo
+# The package's dependencies include numpy: torch warns "Failed to initialize NumPy" at import without it.
+RUN pip install . && python -c "import numpy, torch" && useradd --create-home --uid 10001 demo
 
 USER demo
 WORKDIR /home/demo

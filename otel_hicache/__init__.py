@@ -37,6 +37,9 @@ Modules: :mod:`~otel_hicache.semconv` (every engine-neutral name), :mod:`~otel_h
 :mod:`~otel_hicache.testing` (helpers for tests and benchmarks).
 """
 
+from typing import TYPE_CHECKING, Any
+
+from otel_hicache.config import ConfigError
 from otel_hicache.records import (
     DropRecord,
     EvictionRecord,
@@ -45,11 +48,27 @@ from otel_hicache.records import (
     TransferFailure,
     TransferRecord,
 )
-from otel_hicache.sdk import ConfigError, TelemetrySetup, configure
 from otel_hicache.semconv import DropReason, PrefillMode, Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import elapsed_seconds, make_timing_event_pair, now_ns
 from otel_hicache.version import __version__
+
+if TYPE_CHECKING:
+    from otel_hicache.sdk import TelemetrySetup, configure
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing the OTel SDK reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT and raises a bare ValueError on a bad value.
+    # Checked first, so `import otel_hicache` never fails on the environment and a bad value is a ConfigError.
+    if name in ("configure", "TelemetrySetup"):
+        from otel_hicache.config import check_sdk_import
+
+        check_sdk_import()
+        from otel_hicache import sdk
+
+        return getattr(sdk, name)
+    raise AttributeError(f"module 'otel_hicache' has no attribute {name!r}")
+
 
 __all__ = [
     "ConfigError",

@@ -13,20 +13,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import signal
 import sys
+import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from otel_hicache import __version__
 from otel_hicache import semconv as sc
-from otel_hicache.sdk import PROTOCOLS, ConfigError, TelemetrySetup, configure
-from otel_hicache.summary import Summary, summarize
+from otel_hicache.config import PROTOCOLS, ConfigError, check_host, check_url, validate
+
+if TYPE_CHECKING:  # the OTel SDK is imported only after the OTEL_* variables are checked (it reads some on import)
+    from otel_hicache.cache.demo import DemoResult
+    from otel_hicache.sdk import TelemetrySetup
+    from otel_hicache.summary import Summary
 
 WRITE_POLICIES = [p.value for p in sc.WritePolicy]
 
@@ -37,6 +44,36 @@ class ConfigProblem(click.ClickException):
     exit_code = 2
 
 
+def _checked(check: Callable[[str, str], str]) -> Callable[[click.Context, click.Parameter, str | None], str | None]:
+    """A click callback running one of otel_hicache.config's checks under the flag's name."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return check(value, param.opts[0])
+        except ConfigError as exc:
+            raise ConfigProblem(str(exc)) from None
+
+    return callback
+
+
+def _non_empty(value: str, name: str) -> str:
+    if not value.strip():
+        raise ConfigError(f"{name}={value!r}: use a non-empty name")
+    return value
+
+
+class FiniteFloat(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (which compare false against any bound and slip through)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="otel-hicache")
 def main() -> None:
@@ -45,7 +82,7 @@ def main() -> None:
 
 @main.command()
 @click.option("--requests", "requests", type=click.IntRange(min=1), help="Run this many requests (default 200).")
-@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), help="Run for this long instead.")
+@click.option("--seconds", type=FiniteFloat(min=0, min_open=True), help="Run for this long instead.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed (same seed, same workload).")
 @click.option(
     "--device",
@@ -57,17 +94,31 @@ def main() -> None:
 @click.option("--write-policy", type=click.Choice(WRITE_POLICIES), default="write_back", show_default=True)
 @click.option(
     "--storage-dir",
-    type=click.Path(file_okay=False, writable=True),
+    type=click.Path(file_okay=False, path_type=Path),
     help="Directory for the L3 file store (enables storage backup / prefetch).",
 )
-@click.option("--endpoint", help="OTLP endpoint, e.g. http://localhost:4317 (default: OTEL_EXPORTER_OTLP_ENDPOINT).")
+@click.option(
+    "--endpoint",
+    callback=_checked(check_url),
+    help="OTLP endpoint, e.g. http://localhost:4317 (default: OTEL_EXPORTER_OTLP_ENDPOINT).",
+)
 @click.option("--protocol", type=click.Choice(PROTOCOLS), help="OTLP protocol (default: OTEL_EXPORTER_OTLP_PROTOCOL).")
-@click.option("--service-name", help="service.name of the Resource (default: OTEL_SERVICE_NAME or otel-hicache).")
+@click.option(
+    "--service-name",
+    callback=_checked(_non_empty),
+    help="service.name of the Resource (default: OTEL_SERVICE_NAME or otel-hicache).",
+)
 @click.option("--prometheus-port", type=click.IntRange(0, 65535), help="Also serve a Prometheus scrape endpoint.")
-@click.option("--prometheus-host", default="127.0.0.1", show_default=True, help="Address the scrape endpoint binds.")
+@click.option(
+    "--prometheus-host",
+    default="127.0.0.1",
+    show_default=True,
+    callback=_checked(check_host),
+    help="Address the scrape endpoint binds.",
+)
 @click.option(
     "--linger",
-    type=click.FloatRange(min=0),
+    type=FiniteFloat(min=0),
     default=0.0,
     show_default=True,
     help="Keep serving the Prometheus endpoint this many seconds after the run, so a scraper can read it.",
@@ -80,7 +131,7 @@ def demo(
     seed: int,
     device: str,
     write_policy: str,
-    storage_dir: str | None,
+    storage_dir: Path | None,
     endpoint: str | None,
     protocol: str | None,
     service_name: str | None,
@@ -95,31 +146,35 @@ def demo(
         raise click.UsageError("give either --requests or --seconds, not both")
     if requests is None and seconds is None:
         requests = 200
-    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
-        raise click.BadParameter(f"{endpoint!r} is not a URL; use e.g. http://localhost:4317", param_hint="--endpoint")
     if linger and prometheus_port is None:
         raise click.UsageError("--linger only applies with --prometheus-port")
     torch_device = _pick_device(device)
     try:
-        from otel_hicache.cache.demo import run_demo
+        from otel_hicache.cache.demo import DEMO_POOLS, run_demo
     except ImportError as exc:  # a broken install, not a user error
         raise click.ClickException(f"the reference cache is not available: {exc}") from exc
 
+    arguments: dict[str, Any] = dict(
+        service_name=service_name,
+        endpoint=endpoint,
+        protocol=protocol,
+        prometheus_port=prometheus_port,
+        prometheus_host=prometheus_host,
+        pools=tuple(p.name for p in DEMO_POOLS),  # pre-seeded at 0 so every series exists from the first scrape
+    )
     try:
-        setup = configure(
-            service_name=service_name,
-            endpoint=endpoint,
-            protocol=protocol,
-            prometheus_port=prometheus_port,
-            prometheus_host=prometheus_host,
-            pools=tuple(_DEMO_POOLS),
-        )
+        validate(os.environ, **arguments)  # before the OTel SDK is imported: it reads some variables on import
+        if storage_dir is not None:
+            _check_storage_dir(storage_dir)
+        from otel_hicache.sdk import configure
+        from otel_hicache.summary import summarize
+
+        setup = configure(**arguments)
     except ConfigError as exc:
         raise ConfigProblem(str(exc)) from None
 
     with _sigterm_as_interrupt():
         try:
-            started = time.monotonic()
             with _progress_bar(requests, seconds, progress) as on_progress:
                 result = run_demo(
                     setup.telemetry,
@@ -131,12 +186,11 @@ def demo(
                     storage_dir=storage_dir,
                     progress=on_progress,
                 )
-            elapsed = time.monotonic() - started
             summary = summarize(setup)
             if as_json:
-                click.echo(json.dumps(_jsonable(summary, result, elapsed, setup), indent=2, sort_keys=True))
+                click.echo(json.dumps(_jsonable(summary, result, setup), indent=2, sort_keys=True))
             else:
-                click.echo(render(summary, result=result, elapsed_s=elapsed, setup=setup))
+                click.echo(render(summary, result, setup))
             if setup.prometheus_address is not None and linger > 0:
                 host, port = setup.prometheus_address
                 click.echo(f"Serving Prometheus metrics on http://{host}:{port}/metrics for {linger:g} s ...", err=True)
@@ -148,8 +202,17 @@ def demo(
             setup.shutdown()
 
 
-#: Pools the demo's cache uses, pre-seeded at 0 so every series exists from the first scrape.
-_DEMO_POOLS = ("kv", "mamba", "draft")
+def _check_storage_dir(path: Path) -> None:
+    """Create the L3 directory now and write a file in it, so a bad path fails here and not in the store's thread.
+
+    Trying is the only check that holds for root, read-only mounts and /proc alike.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigProblem(f"--storage-dir={str(path)!r}: {exc.strerror or exc}; use a writable directory") from None
 
 
 def _pick_device(choice: str) -> str | None:
@@ -197,18 +260,13 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- printing
-def render(summary: Summary, *, result: Any = None, elapsed_s: float | None = None, setup: Any = None) -> str:
+def render(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> str:
     """The summary as plain-text tables a person can read at a glance."""
-    out: list[str] = []
-    if result is not None and hasattr(result, "requests") and hasattr(result, "wall_time_s"):
-        out.append(
-            f"otel-hicache demo: {_n(result.requests)} requests in {result.wall_time_s:.1f} s on "
-            f"{getattr(result, 'device', '?')}, {getattr(result, 'write_policy', '?')}"
-        )
-    else:
-        facts = _result_facts(result) + ([f"{elapsed_s:.1f} s"] if elapsed_s is not None else [])
-        out.append("otel-hicache demo: " + ", ".join(facts) if facts else "otel-hicache demo")
-    if setup is not None and getattr(setup, "mode", None) == "otlp":
+    out = [
+        f"otel-hicache demo: {_n(result.requests)} requests in {result.wall_time_s:.1f} s on {result.device}, "
+        f"{result.write_policy}"
+    ]
+    if setup.mode == "otlp":
         out.append("Exported over OTLP; counters below are this process's exact totals.")
 
     total = summary.prefill_total
@@ -282,37 +340,14 @@ def render(summary: Summary, *, result: Any = None, elapsed_s: float | None = No
         f"Telemetry: {_n(summary.spans_recorded)} spans recorded, {_n(pipe['rejected'])} records rejected, "
         f"{_n(pipe['normalized'])} normalized, {_n(pipe['dropped_spans'])} spans dropped (queue full)",
     ]
-    if setup is not None and getattr(setup, "prometheus_address", None):
+    if setup.prometheus_address is not None:
         host, port = setup.prometheus_address
         out.append(f"Prometheus scrape endpoint: http://{host}:{port}/metrics")
     out += [f"Note: {note}" for note in summary.notes]
     return "\n".join(out)
 
 
-def _result_facts(result: Any) -> list[str]:
-    """Short ``name value`` facts from the demo's result object (whatever scalar fields it has)."""
-    if result is None:
-        return []
-    if dataclasses.is_dataclass(result):
-        fields = dataclasses.asdict(result)  # type: ignore[arg-type]  # an instance, not a class
-    elif hasattr(result, "_asdict"):
-        fields = result._asdict()
-    else:
-        return [str(result)]
-    facts = []
-    for name, value in fields.items():
-        if isinstance(value, bool) or value is None:
-            continue
-        if isinstance(value, int):
-            facts.append(f"{name.replace('_', ' ')} {_n(value)}")
-        elif isinstance(value, float):
-            facts.append(f"{name.replace('_', ' ')} {value:.3g}")
-        elif isinstance(value, str):
-            facts.append(f"{name.replace('_', ' ')} {value}")
-    return facts
-
-
-def _jsonable(summary: Summary, result: Any, elapsed: float, setup: TelemetrySetup) -> dict[str, Any]:
+def _jsonable(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> dict[str, Any]:
     def keyed(mapping: dict[Any, Any]) -> dict[str, Any]:
         return {"/".join(map(str, k)) if isinstance(k, tuple) else str(k): v for k, v in mapping.items()}
 
@@ -328,10 +363,9 @@ def _jsonable(summary: Summary, result: Any, elapsed: float, setup: TelemetrySet
             value = [plain(v) for v in value]
         body[f.name] = value
     body["hit_rates"] = summary.hit_rates
-    body["elapsed_s"] = elapsed
+    body["elapsed_s"] = result.wall_time_s
     body["mode"] = setup.mode
-    if result is not None and dataclasses.is_dataclass(result):
-        body["result"] = json.loads(json.dumps(dataclasses.asdict(result), default=str))  # type: ignore[arg-type]
+    body["result"] = dataclasses.asdict(result)
     return body
 
 

@@ -58,23 +58,14 @@ from opentelemetry.sdk.trace.export import (
 
 from otel_hicache import semconv as sc
 from otel_hicache.channel import Channel
+from otel_hicache.config import DEFAULT_CARDINALITY_LIMIT, ConfigError, validate
 from otel_hicache.export_process import ExportProcess, quiet_exporters
 from otel_hicache.telemetry import HiCacheTelemetry
 
 DEFAULT_SERVICE_NAME = "otel-hicache"
 #: The most ``TelemetrySetup.shutdown()`` (and the exit of a process that never called it) takes by default.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 2.0
-DEFAULT_CARDINALITY_LIMIT = 2000
-PROTOCOLS = ("grpc", "http/protobuf")
-SAMPLERS = (
-    "always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
-    "parentbased_traceidratio",
-)  # fmt: skip
 _INTERNAL_METRICS_ENV = "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED"
-
-
-class ConfigError(ValueError):
-    """A configuration value (argument or ``OTEL_*`` variable) is invalid; the message names it."""
 
 
 class RecentSpans(SpanExporter):
@@ -217,42 +208,6 @@ def build_resource(
     return resource
 
 
-def _env_choice(env: Mapping[str, str], names: Sequence[str], allowed: Sequence[str], default: str) -> str:
-    for name in names:
-        raw = env.get(name)
-        if raw is not None and raw.strip():
-            value = raw.strip().lower()
-            if value not in allowed:
-                raise ConfigError(f"{name}={raw!r} is not supported; use one of: {', '.join(allowed)}")
-            return value
-    return default
-
-
-def _env_number(env: Mapping[str, str], name: str, low: float, high: float) -> float | None:
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if not low <= value <= high:
-        raise ConfigError(f"{name}={raw!r} is out of range [{low:g}, {high:g}]")
-    return value
-
-
-def _validate_env(env: Mapping[str, str]) -> None:
-    _env_choice(env, ["OTEL_TRACES_SAMPLER"], SAMPLERS, "parentbased_always_on")
-    if env.get("OTEL_TRACES_SAMPLER", "").strip().lower().endswith("traceidratio"):
-        _env_number(env, "OTEL_TRACES_SAMPLER_ARG", 0.0, 1.0)
-    _env_number(env, "OTEL_METRIC_EXPORT_INTERVAL", 1, 86_400_000)
-    _env_number(env, "OTEL_EXPORTER_OTLP_TIMEOUT", 0, 3_600_000)
-    _env_choice(env, ["OTEL_EXPORTER_OTLP_INSECURE"], ("true", "false"), "false")
-    port = _env_number(env, "OTEL_EXPORTER_PROMETHEUS_PORT", 0, 65535)
-    if port is not None and port != int(port):
-        raise ConfigError(f"OTEL_EXPORTER_PROMETHEUS_PORT={env['OTEL_EXPORTER_PROMETHEUS_PORT']!r} is not a port")
-
-
 def _otlp_span_exporter(protocol: str, endpoint: str | None, meter_provider: metrics.MeterProvider) -> SpanExporter:
     """With ``endpoint`` None the exporter reads every OTEL_EXPORTER_OTLP_* variable itself."""
     if protocol == "grpc":
@@ -301,36 +256,22 @@ def configure(
     group: see :class:`HiCacheTelemetry`).
     """
     env = os.environ if env is None else env
-    _validate_env(env)
-    if protocol is not None and protocol not in PROTOCOLS:
-        raise ConfigError(f"protocol {protocol!r} is not supported; use one of: {', '.join(PROTOCOLS)}")
-    if cardinality_limit < 1:
-        raise ConfigError("cardinality_limit must be >= 1")
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    settings = validate(
+        env, service_name=service_name, endpoint=endpoint, protocol=protocol, prometheus_port=prometheus_port,
+        prometheus_host=prometheus_host, ranks=ranks, resource_attributes=resource_attributes, pools=pools,
+        cardinality_limit=cardinality_limit, set_global=set_global,
+    )  # fmt: skip
+    if settings.disabled:
         noop_t, noop_m = trace.NoOpTracerProvider(), metrics.NoOpMeterProvider()
         telemetry = HiCacheTelemetry(noop_t, noop_m, pools=pools, extra_pools=extra_pools, spans=False,
                                      token_metrics=token_metrics)  # fmt: skip
         return TelemetrySetup(telemetry, noop_t, noop_m, "disabled")
 
-    any_endpoint = endpoint or any(
-        env.get(v) for v in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-                             "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
-    )  # fmt: skip
-    kinds = ("otlp", "console", "none")
-    traces_kind = _env_choice(env, ["OTEL_TRACES_EXPORTER"], kinds, "otlp" if any_endpoint else "embedded")
-    metrics_kind = _env_choice(
-        env, ["OTEL_METRICS_EXPORTER"], (*kinds, "prometheus"), "otlp" if any_endpoint else "embedded"
-    )
-    if not any_endpoint and traces_kind == "otlp" and env.get("OTEL_TRACES_EXPORTER") is None:
-        traces_kind = "embedded"
-    base = ["OTEL_EXPORTER_OTLP_PROTOCOL"]
-    protocol_traces = protocol or _env_choice(env, ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", *base], PROTOCOLS, "grpc")
-    protocol_metrics = protocol or _env_choice(env, ["OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", *base], PROTOCOLS, "grpc")
-    if metrics_kind == "prometheus" and prometheus_port is None:
-        prometheus_port = int(_env_number(env, "OTEL_EXPORTER_PROMETHEUS_PORT", 0, 65535) or 9464)
-        prometheus_host = env.get("OTEL_EXPORTER_PROMETHEUS_HOST", prometheus_host)
+    traces_kind, metrics_kind = settings.traces_exporter, settings.metrics_exporter
+    protocol_traces, protocol_metrics = settings.traces.protocol, settings.metrics.protocol
+    prometheus_port, prometheus_host = settings.prometheus_port, settings.prometheus_host
     if metrics_kind == "prometheus":
-        metrics_kind = "none"  # the Prometheus reader below is the metrics exporter
+        metrics_kind = "none"  # the Prometheus reader is the metrics exporter
     if env is os.environ:
         os.environ.setdefault(_INTERNAL_METRICS_ENV, "true")
 

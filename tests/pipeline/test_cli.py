@@ -1,8 +1,10 @@
+# ruff: noqa: E501  (the case table reads best one case per line)
 """``otel-hicache demo``: the summary a person reads, clear errors for bad input, and OTLP delivery."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -87,29 +89,68 @@ def test_seed_selects_the_workload() -> None:
     assert prefill_total(7) == prefill_total(7) != prefill_total(8)
 
 
+#: (flags, OTEL_* variables, what the one "Error:" line must say: the flag or variable and the accepted form)
+BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
+    (["--requests", "0"], {}, "Invalid value for '--requests': 0 is not in the range x>=1"),
+    (["--requests", "-5"], {}, "Invalid value for '--requests'"),
+    (["--requests", "many"], {}, "Invalid value for '--requests'"),
+    (["--seconds", "-1"], {}, "Invalid value for '--seconds'"),
+    (["--seconds", "0"], {}, "Invalid value for '--seconds'"),
+    (["--seconds", "nan"], {}, "Invalid value for '--seconds': 'nan' is not a finite number"),
+    (["--seconds", "inf"], {}, "Invalid value for '--seconds': 'inf' is not a finite number"),
+    (["--requests", "5", "--seconds", "1"], {}, "either --requests or --seconds"),
+    (["--seed", "x"], {}, "Invalid value for '--seed'"),
+    (["--device", "tpu"], {}, "Invalid value for '--device'"),
+    (["--write-policy", "sometimes"], {}, "Invalid value for '--write-policy'"),
+    (["--protocol", "thrift"], {}, "Invalid value for '--protocol'"),
+    (["--endpoint", "localhost:4317"], {}, "--endpoint='localhost:4317' is not valid; use an http:// or https:// URL"),
+    (["--endpoint", "http://[::1"], {}, "--endpoint='http://[::1' is not valid"),
+    (["--endpoint", "http://localhost:70000"], {}, "--endpoint='http://localhost:70000' is not valid"),
+    (["--service-name", " "], {}, "--service-name=' ': use a non-empty name"),
+    (["--prometheus-port", "70000"], {}, "Invalid value for '--prometheus-port'"),
+    (["--prometheus-port", "-1"], {}, "Invalid value for '--prometheus-port'"),
+    (["--prometheus-host", "local host", "--prometheus-port", "0"], {}, "--prometheus-host='local host' is not valid"),
+    (["--linger", "5"], {}, "--linger only applies with --prometheus-port"),
+    (["--linger", "-1", "--prometheus-port", "0"], {}, "Invalid value for '--linger'"),
+    (["--linger", "nan", "--prometheus-port", "0"], {}, "Invalid value for '--linger': 'nan' is not a finite number"),
+    (["--storage-dir", "/proc/otel-hicache/l3"], {}, "--storage-dir='/proc/otel-hicache/l3': No such file or directory"),
+    (["--storage-dir", "/etc/hostname"], {}, "Invalid value for '--storage-dir'"),
+    ([], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://[::1' is not valid"),
+    ([], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:99999"}, "OTEL_EXPORTER_OTLP_ENDPOINT="),
+    ([], {"OTEL_EXPORTER_OTLP_PROTOCOL": "udp"}, "OTEL_EXPORTER_OTLP_PROTOCOL='udp' is not supported"),
+    ([], {"OTEL_EXPORTER_OTLP_HEADERS": "api key=1"}, "OTEL_EXPORTER_OTLP_HEADERS: header name 'api key'"),
+    ([], {"OTEL_EXPORTER_OTLP_TIMEOUT": "-3"}, "OTEL_EXPORTER_OTLP_TIMEOUT='-3' is out of range"),
+    ([], {"OTEL_EXPORTER_OTLP_COMPRESSION": "brotli"}, "OTEL_EXPORTER_OTLP_COMPRESSION='brotli'"),
+    ([], {"OTEL_EXPORTER_OTLP_CERTIFICATE": "/nonexistent/ca.pem"}, "OTEL_EXPORTER_OTLP_CERTIFICATE="),
+    ([], {"OTEL_TRACES_SAMPLER": "bogus"}, "OTEL_TRACES_SAMPLER='bogus' is not supported"),
+    ([], {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.5"}, "OTEL_TRACES_SAMPLER_ARG='1.5'"),
+    ([], {"OTEL_METRIC_EXPORT_INTERVAL": "soon"}, "OTEL_METRIC_EXPORT_INTERVAL='soon' is not a number"),
+    ([], {"OTEL_METRIC_EXPORT_TIMEOUT": "-1"}, "OTEL_METRIC_EXPORT_TIMEOUT='-1' is out of range"),
+    ([], {"OTEL_BSP_MAX_QUEUE_SIZE": "0"}, "OTEL_BSP_MAX_QUEUE_SIZE='0' is not valid"),
+    ([], {"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "many"}, "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT='many' is not valid"),
+    ([], {"OTEL_METRICS_EXEMPLAR_FILTER": "sometimes"}, "OTEL_METRICS_EXEMPLAR_FILTER='sometimes'"),
+    ([], {"OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE": "x"}, "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"),
+    ([], {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": "x"}, "OTEL_EXPORTER_PROMETHEUS_PORT='x'"),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("args", "env", "message"),
-    [
-        (["--requests", "0"], {}, "'--requests': 0 is not in the range"),
-        (["--seconds", "-1"], {}, "'--seconds'"),
-        (["--requests", "5", "--seconds", "1"], {}, "either --requests or --seconds"),
-        (["--protocol", "thrift"], {}, "'--protocol'"),
-        (["--endpoint", "localhost:4317"], {}, "is not a URL; use e.g. http://localhost:4317"),
-        (["--write-policy", "sometimes"], {}, "'--write-policy'"),
-        (["--prometheus-port", "70000"], {}, "'--prometheus-port'"),
-        (["--linger", "5"], {}, "--linger only applies with --prometheus-port"),
-        (["--requests", "5"], {"OTEL_TRACES_SAMPLER": "bogus"}, "OTEL_TRACES_SAMPLER='bogus' is not supported"),
-        (["--requests", "5"], {"OTEL_EXPORTER_OTLP_PROTOCOL": "udp"}, "OTEL_EXPORTER_OTLP_PROTOCOL='udp'"),
-        (["--requests", "5"], {"OTEL_METRIC_EXPORT_INTERVAL": "soon"}, "'soon' is not a number"),
-    ],
+    ("args", "env", "message"), BAD_INPUT, ids=[" ".join(a) or ",".join(f"{k}={v}" for k, v in e.items()) for a, e, _ in BAD_INPUT]
 )  # fmt: skip
-def test_bad_arguments_exit_2_with_a_message_naming_the_problem(
+def test_bad_flags_and_variables_exit_2_with_one_line_naming_them(
     args: list[str], env: dict[str, str], message: str
 ) -> None:
-    result = run("demo", *args, env=env)
-    assert result.exit_code == 2, result.output
-    assert message in result.output
-    assert "Traceback" not in result.output
+    """The installed command in its own process: exit 2, one "Error:" line on stderr, no traceback, no output."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "otel_hicache.cli", "demo", "--no-progress", *(args or ["--requests", "5"])],
+        env={**clean, **env}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
 
 
 def test_cuda_requested_where_there_is_none_is_a_clear_error() -> None:

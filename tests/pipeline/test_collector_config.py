@@ -57,6 +57,11 @@ def published(service: str) -> set[int]:
     return {int(str(p).split(":")[-1]) for p in compose()["services"][service].get("ports", [])}
 
 
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ``${VAR:-default}`` interpolation, as ``docker compose`` applies it with ``env``."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), text)
+
+
 def mounts(service: str) -> dict[str, Path]:
     """Container path -> host path of a service's bind mounts."""
     out = {}
@@ -111,17 +116,78 @@ def test_exporting_collectors_send_traces_to_jaeger_over_otlp_and_serve_open_met
     assert prometheus["enable_open_metrics"] is True  # exemplars need OpenMetrics
     assert prometheus["resource_to_telemetry_conversion"]["enabled"] is False
     assert port_of(prometheus["endpoint"]) == 8889
+    # the names the rules and the dashboard use, chosen explicitly rather than by a deprecated default
+    assert prometheus["translation_strategy"] == "UnderscoreEscapingWithSuffixes"
 
 
-def test_fleet_agents_forward_to_the_gateways_otlp_port_and_listen_only_locally() -> None:
-    agent, gateway = load(COLLECTORS["fleet/agent.yaml"]), load(COLLECTORS["fleet/gateway.yaml"])
-    exporters = {e for p in agent["service"]["pipelines"].values() for e in p["exporters"]}
-    assert exporters == {"otlp_grpc/gateway"}
-    endpoint = agent["exporters"]["otlp_grpc/gateway"]["endpoint"]
-    assert port_of(endpoint) == port_of(gateway["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"])
-    assert "gateway" in host_of(endpoint)
+@pytest.mark.parametrize("name", ["otel-collector.yaml", "fleet/gateway.yaml"])
+def test_a_dead_processs_series_leave_the_scrape_within_minutes_but_outlast_a_late_export(name: str) -> None:
+    """metric_expiration: above 2x the SDK's default export interval (60 s), well under the pool alert's 15 m."""
+    expiration = duration_s(load(COLLECTORS[name])["exporters"]["prometheus"]["metric_expiration"])
+    pool_alert = next(r for g in load(CONFIG / "rules" / "hicache.rules.yml")["groups"] for r in g["rules"]
+                      if r.get("alert") == "HiCacheHostPoolSaturated")  # fmt: skip
+    assert 2 * 60 <= expiration <= 5 * 60 < duration_s(pool_alert["for"])
+
+
+@pytest.mark.parametrize("name", ["otel-collector.yaml", "fleet/gateway.yaml"])
+def test_the_collectors_own_metrics_reader_keeps_the_collectors_default_names(name: str) -> None:
+    """A custom reader replaces the default one: its without_* defaults must be restated."""
+    (reader,) = load(COLLECTORS[name])["service"]["telemetry"]["metrics"]["readers"]
+    prometheus = reader["pull"]["exporter"]["prometheus"]
+    assert prometheus["without_units"] is prometheus["without_type_suffix"] is prometheus["without_scope_info"] is True
+
+
+def test_the_fleet_agent_is_a_daemonset_listening_on_its_pod_ip() -> None:
+    agent = load(COLLECTORS["fleet/agent.yaml"])
+    text = COLLECTORS["fleet/agent.yaml"].read_text()
+    assert "deployed as a DaemonSet" in text and "hostPort" in text
     for protocol in agent["receivers"]["otlp"]["protocols"].values():
-        assert host_of(protocol["endpoint"]) == "127.0.0.1"  # node-local: only this node's processes send to it
+        # reachable through the node's hostPort from other pods; not every interface, not loopback
+        assert host_of(protocol["endpoint"]) == "${env:MY_POD_IP}"
+    assert host_of(agent["extensions"]["health_check"]["endpoint"]) == "${env:MY_POD_IP}"
+
+
+def test_the_fleet_agent_routes_each_processs_metrics_to_one_gateway_and_traces_round_robin() -> None:
+    agent, gateway = load(COLLECTORS["fleet/agent.yaml"]), load(COLLECTORS["fleet/gateway.yaml"])
+    gateway_port = port_of(gateway["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"])
+    pipelines = agent["service"]["pipelines"]
+
+    (metrics_exporter,) = pipelines["metrics"]["exporters"]
+    assert metrics_exporter.split("/")[0] == "loadbalancing"
+    balancer = agent["exporters"][metrics_exporter]
+    # the whole Resource (service.instance.id, host, pid, ranks) is the key: one process, one replica
+    assert balancer["routing_key"] == "resource"
+    dns = balancer["resolver"]["dns"]
+    assert "gateway" in dns["hostname"] and int(dns["port"]) == gateway_port
+    assert "endpoint" not in balancer["protocol"]["otlp"]  # the resolver supplies it
+
+    (traces_exporter,) = pipelines["traces"]["exporters"]
+    traces = agent["exporters"][traces_exporter]
+    assert traces_exporter.startswith("otlp_grpc/") and traces["balancer_name"] == "round_robin"
+    assert host_of(traces["endpoint"]) == dns["hostname"]  # the same headless Service: every replica
+    assert port_of(traces["endpoint"]) == gateway_port
+
+
+def test_the_fleet_agent_keeps_the_sdks_host_name() -> None:
+    (processor,) = [
+        p for n, p in load(COLLECTORS["fleet/agent.yaml"])["processors"].items() if n == "resourcedetection"
+    ]
+    assert processor["override"] is False
+
+
+def test_the_gateway_recycles_connections_and_labels_its_replica() -> None:
+    gateway = load(COLLECTORS["fleet/gateway.yaml"])
+    keepalive = gateway["receivers"]["otlp"]["protocols"]["grpc"]["keepalive"]["server_parameters"]
+    assert duration_s(keepalive["max_connection_age"]) <= 300
+    assert gateway["exporters"]["prometheus"]["const_labels"] == {"otel_gateway": "${env:POD_NAME}"}
+
+
+def duration_s(text: str) -> float:
+    """A Go / Prometheus duration such as 90s, 3m or 1h30m in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text)
+    assert parts and text, text
+    hours, minutes, seconds = (int(p or 0) for p in parts.groups())
+    return hours * 3600 + minutes * 60 + seconds
 
 
 # --------------------------------------------------------------------------- docker-compose
@@ -149,11 +215,35 @@ def test_compose_health_checks_probe_the_ports_the_services_listen_on() -> None:
     jaeger = load(CONFIG / "jaeger.yaml")["extensions"]["healthcheckv2"]["http"]
     probes = {name: " ".join(s["healthcheck"]["test"]) for name, s in services.items() if "healthcheck" in s}
     assert set(probes) == {"jaeger", "prometheus", "grafana"}  # the collector image has no shell or wget
-    assert f"localhost:{port_of(jaeger['endpoint'])}{jaeger['status']['path']}" in probes["jaeger"]
-    assert "localhost:9090/-/ready" in probes["prometheus"]
-    assert "localhost:3000/api/health" in probes["grafana"]
+    # 127.0.0.1, not localhost (which may resolve to ::1 where Jaeger does not listen)
+    assert host_of(jaeger["endpoint"]) == "0.0.0.0"
+    assert f"http://127.0.0.1:{port_of(jaeger['endpoint'])}{jaeger['status']['path']}" in probes["jaeger"]
+    assert "http://127.0.0.1:9090/-/ready" in probes["prometheus"]
+    assert "http://127.0.0.1:3000/api/health" in probes["grafana"]
     assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
     assert services["otel-collector"]["depends_on"]["jaeger"]["condition"] == "service_healthy"
+
+
+def test_published_ports_bind_127_0_0_1_unless_the_user_says_otherwise() -> None:
+    for name, service in compose()["services"].items():
+        for port in service.get("ports", []):
+            host, published_port, container_port = interpolate(str(port), {}).split(":")
+            assert host == "127.0.0.1", f"{name}: {port} is published on every interface by default"
+            assert published_port == container_port
+            assert interpolate(str(port), {"HICACHE_PUBLISH_ADDRESS": "0.0.0.0"}).startswith("0.0.0.0:"), port
+
+
+def test_grafana_takes_its_admin_password_from_the_environment_and_has_no_anonymous_access_by_default() -> None:
+    environment = compose()["services"]["grafana"]["environment"]
+    # ${VAR:?message}: compose refuses to start without it, naming the variable
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", environment["GF_SECURITY_ADMIN_PASSWORD"])
+    assert interpolate(environment["GF_AUTH_ANONYMOUS_ENABLED"], {}) == "false"
+    assert interpolate(environment["GF_AUTH_ANONYMOUS_ENABLED"], {"GRAFANA_ANONYMOUS": "true"}) == "true"
+
+
+def test_the_readme_names_the_dashboard_by_its_title() -> None:
+    title = json.loads(DASHBOARD.read_text())["title"]
+    assert f'dashboard "{title}"' in (ROOT / "README.md").read_text()
 
 
 def test_every_bind_mounted_file_exists_and_the_containers_read_the_mounted_configs() -> None:

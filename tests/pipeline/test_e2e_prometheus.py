@@ -33,19 +33,28 @@ RULE_LABELS: dict[str, set[str]] = {
     "hicache:prefill_hit_ratio:rate5m": {"job", "instance"},
     "hicache:prefill_hit_ratio_by_mode:rate5m": {"job", "instance", "hicache_prefill_mode"},
     "hicache:prefill_hit_ratio:avg1h": {"job", "instance"},
-    "hicache:transfer_bandwidth_bytes_per_second:rate5m": {"job", "instance", "hicache_operation"},
+    "hicache:transfer_bandwidth_bytes_per_second:rate5m": {
+        "job",
+        "instance",
+        "hicache_operation",
+        "hicache_timing_source",
+    },
     "hicache:l2_link_bandwidth_bytes_per_second": set(),
     "hicache:drop_ratio:rate5m": {"job", "instance"},
     "hicache:pool_used_ratio": {"job", "instance", "hicache_tier", "hicache_pool"},
     "hicache:telemetry_records_lost:rate5m": {"job", "instance"},
     "otel_sdk:span_drop_ratio:rate5m": {"job", "instance"},
     "HiCacheDropRateHigh": {"job", "instance"},
-    "HiCacheL2BandwidthLow": {"job", "instance", "hicache_operation"},
+    "HiCacheL2BandwidthLow": {"job", "instance", "hicache_operation", "hicache_timing_source"},
     "HiCacheHostPoolSaturated": {"job", "instance", "hicache_tier", "hicache_pool"},
     "HiCachePrefixHitRateCollapse": {"job", "instance"},
     "HiCacheTelemetryRecordsLost": {"job", "instance"},
     "OTelSDKSpansDropped": {"job", "instance"},
 }
+#: Rules and the panel built on hicache_timing_source of hicache_transfer_size_bytes_total (bandwidth from timed
+#: transfers only, per timing source): checked by test_bandwidth_from_timed_transfers_per_timing_source.
+BANDWIDTH_RULES = {"hicache:transfer_bandwidth_bytes_per_second:rate5m", "HiCacheL2BandwidthLow"}
+BANDWIDTH_PANEL = 3
 #: Grafana's variables, as the dashboard would expand them with "All" selected.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$job": ".+", "$instance": ".+"}
 
@@ -117,7 +126,7 @@ def _wait_for_data(prometheus: Prometheus, process: subprocess.Popen[str], timeo
         'count_over_time(hicache_transfer_tokens_total{hicache_operation="backup",hicache_pool="kv"}[1m]) >= 4',
         "hicache:prefill_hit_ratio:avg1h",
         # rates over two or more changing samples: finite values, not 0/0
-        'hicache:transfer_bandwidth_bytes_per_second:rate5m{hicache_operation="backup"} > 0',
+        'rate(hicache_transfer_duration_seconds_sum{hicache_operation="backup"}[1m]) > 0',
         "otel_sdk:span_drop_ratio:rate5m >= 0",
     ]
     while time.monotonic() < deadline:
@@ -144,10 +153,19 @@ def test_every_rule_is_known_to_this_test_and_evaluates_without_error(live_demo:
             assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
 
 
-@pytest.mark.parametrize("name", sorted(RULE_LABELS))
+@pytest.mark.parametrize("name", sorted(set(RULE_LABELS) - BANDWIDTH_RULES))
 def test_rule_returns_data_with_its_labels(live_demo: Prometheus, name: str) -> None:
+    assert_rule_returns_data_with_its_labels(live_demo, name)
+
+
+def assert_rule_returns_data_with_its_labels(live_demo: Prometheus, name: str, **substitute: str) -> list[Any]:
+    """The rule's result (an alert's: every series it watches) carries RULE_LABELS[name]; ``substitute`` replaces
+    text in the expression first."""
     rule = next(r for r in rules() if name in (r.get("record"), r.get("alert")))
     expr = rule["expr"] if "record" in rule else signal_of(rule["expr"])
+    for old, new in substitute.items():
+        assert old in expr, (name, old)
+        expr = expr.replace(old, new)
     result = live_demo.query(expr)
     assert result, f"{name}: no data for {expr}"
     for sample in result:
@@ -156,15 +174,13 @@ def test_rule_returns_data_with_its_labels(live_demo: Prometheus, name: str) -> 
         if "alert" in rule:
             templated = set(re.findall(r"\$labels\.(\w+)", json.dumps(rule["annotations"])))
             assert templated <= labels, f"{name}: annotations use labels the expression does not keep"
+    return result
 
 
 def test_rule_values_describe_the_demo(live_demo: Prometheus) -> None:
-    """Not just present: hit ratios are fractions, the demo's copies have a positive bandwidth, nothing is lost."""
+    """Not just present: hit ratios are fractions, pools are fractions full, nothing is lost."""
     (hit,) = live_demo.query("hicache:prefill_hit_ratio:rate5m")
     assert 0 < float(hit["value"][1]) < 1
-    bandwidth = {s["metric"]["hicache_operation"]: float(s["value"][1])
-                 for s in live_demo.query("hicache:transfer_bandwidth_bytes_per_second:rate5m")}  # fmt: skip
-    assert bandwidth["backup"] > 0 and bandwidth["load_back"] > 0
     pools = live_demo.query('hicache:pool_used_ratio{hicache_tier="host"}')
     assert {s["metric"]["hicache_pool"] for s in pools} >= {"kv", "mamba"}
     assert all(0 <= float(s["value"][1]) <= 1 for s in pools)
@@ -174,15 +190,21 @@ def test_rule_values_describe_the_demo(live_demo: Prometheus) -> None:
     assert float(sdk["value"][1]) == 0
 
 
-def panel_targets() -> list[tuple[str, str, str]]:
+def panel_targets(bandwidth: bool = False) -> list[tuple[str, str, str]]:
+    """(title, query, legend) of every panel target; only the bandwidth panel's with ``bandwidth``, else all others."""
     dashboard = json.loads(DASHBOARD.read_text())
-    return [(p["title"], t["expr"], t.get("legendFormat", "")) for p in dashboard["panels"] for t in p["targets"]]
+    return [(p["title"], t["expr"], t.get("legendFormat", "")) for p in dashboard["panels"] for t in p["targets"]
+            if (p["id"] == BANDWIDTH_PANEL) == bandwidth]  # fmt: skip
 
 
 @pytest.mark.parametrize(("title", "expr", "legend"), panel_targets(), ids=[f"{t[0]}:{t[2]}" for t in panel_targets()])
 def test_dashboard_query_returns_data_with_the_labels_its_legend_shows(
     live_demo: Prometheus, title: str, expr: str, legend: str
 ) -> None:
+    assert_panel_query_returns_data(live_demo, title, expr, legend)
+
+
+def assert_panel_query_returns_data(live_demo: Prometheus, title: str, expr: str, legend: str) -> None:
     for variable, value in GRAFANA_VARIABLES.items():
         expr = expr.replace(variable, value)
     assert "$" not in expr, f"{title}: an unexpanded Grafana variable in {expr}"
@@ -203,3 +225,37 @@ def test_the_template_variables_list_the_demo(live_demo: Prometheus) -> None:
         selector = match.group(1).replace("$job", ".+")
         values = live_demo.api("series", **{"match[]": selector})
         assert {s[match.group(2)] for s in values}, variable["name"]
+
+
+def test_bandwidth_from_timed_transfers_per_timing_source(live_demo: Prometheus) -> None:
+    """The L2 bandwidth rule, alert and panel on the live demo: bytes of timed transfers per timing source.
+
+    Needs ``hicache.timing.source`` on ``hicache.transfer.size`` (series ``hicache_transfer_size_bytes_total{...,
+    hicache_timing_source}``); the promtool tests in rules/hicache.rules.test.yml check the arithmetic on mixed
+    timed and untimed input. The demo times its copies with CUDA events on a GPU and with the host clock on a CPU;
+    the alert (CUDA-event timings only) is checked with the demo's own timing source in its place.
+    """
+    sizes = live_demo.query('hicache_transfer_size_bytes_total{hicache_operation="backup"}')
+    assert sizes and all("hicache_timing_source" in s["metric"] for s in sizes), (
+        f"hicache_transfer_size_bytes_total lacks hicache_timing_source: {sizes}"
+    )
+    sources = {s["metric"]["hicache_timing_source"] for s in sizes if float(s["value"][1]) > 0}
+    timed = sources - {"none"}
+    assert len(timed) == 1, sources  # one timing per device: CUDA events or the host clock
+    (source,) = timed
+
+    result = assert_rule_returns_data_with_its_labels(live_demo, "hicache:transfer_bandwidth_bytes_per_second:rate5m")
+    bandwidth = {(s["metric"]["hicache_operation"], s["metric"]["hicache_timing_source"]): float(s["value"][1])
+                 for s in result}  # fmt: skip
+    assert bandwidth[("backup", source)] > 0 and bandwidth[("load_back", source)] > 0
+    assert all(src != "none" for _, src in bandwidth), bandwidth
+
+    alert = assert_rule_returns_data_with_its_labels(
+        live_demo,
+        "HiCacheL2BandwidthLow",
+        **{'hicache_timing_source="cuda_event"': f'hicache_timing_source="{source}"'},
+    )
+    assert {s["metric"]["hicache_operation"] for s in alert} == {"backup", "load_back"}
+
+    for title, expr, legend in panel_targets(bandwidth=True):
+        assert_panel_query_returns_data(live_demo, title, expr, legend)

@@ -1,0 +1,508 @@
+"""Validation of every setting :func:`otel_hicache.configure` and the CLI depend on, before anything is built.
+
+:func:`validate` checks the ``OTEL_*`` variables that otel_hicache, the OTel SDK (1.45) and the OTLP / Prometheus
+exporters read, together with ``configure()``'s arguments, and returns a frozen :class:`Settings`. A bad value
+raises :class:`ConfigError` with one line naming the variable (or argument) and the accepted form. It starts no
+thread, opens no socket and imports no part of the OTel SDK, so it can run first and a retry after fixing the value
+finds nothing left behind.
+
+Booleans follow the OTel specification: ``true`` / ``false`` in any case; anything else warns once and reads as
+false. Variables of signals otel_hicache never builds (logs: ``OTEL_BLRP_*``, ``OTEL_LOGS_EXPORTER``) and those read
+only by ``opentelemetry-instrument``'s configurator (``OTEL_PYTHON_*_PROVIDER``, ``OTEL_PROPAGATORS``) are not
+checked here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from otel_hicache.semconv import DEFAULT_POOL
+
+_logger = logging.getLogger(__name__)
+
+PROTOCOLS = ("grpc", "http/protobuf")
+SAMPLERS = (
+    "always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+    "parentbased_traceidratio",
+)  # fmt: skip
+EXPORTERS = ("otlp", "console", "none")
+METRICS_EXPORTERS = (*EXPORTERS, "prometheus")
+EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
+TEMPORALITY_PREFERENCES = ("cumulative", "delta", "lowmemory")
+HISTOGRAM_AGGREGATIONS = ("explicit_bucket_histogram", "base2_exponential_bucket_histogram")
+#: What each OTLP exporter accepts in ``..._COMPRESSION`` (the gRPC one raises on anything but gzip).
+COMPRESSIONS = {"grpc": ("gzip",), "http/protobuf": ("gzip", "deflate", "none")}
+DEFAULT_PROMETHEUS_HOST = "127.0.0.1"
+DEFAULT_PROMETHEUS_PORT = 9464
+DEFAULT_CARDINALITY_LIMIT = 2000
+#: Span limits the SDK reads (non-negative integer or ``unset``). The SDK reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT
+#: already when ``opentelemetry.sdk.trace`` is imported, and raises there on a bad value.
+SPAN_LIMITS = (
+    "OTEL_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
+    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_EVENT_COUNT_LIMIT", "OTEL_SPAN_LINK_COUNT_LIMIT",
+    "OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT", "OTEL_LINK_ATTRIBUTE_COUNT_LIMIT",
+)  # fmt: skip
+SDK_IMPORT_VARIABLES = ("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",)
+_RANKS = ("tp", "pp", "dp")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP header name (RFC 9110 token)
+_warned: set[tuple[str, str]] = set()
+
+
+class ConfigError(ValueError):
+    """A configuration value (argument or ``OTEL_*`` variable) is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class SignalSettings:
+    """OTLP settings of one signal after the per-signal variable / general variable / argument precedence.
+
+    ``endpoint`` is the URL to hand the exporter: the argument or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (with
+    ``/v1/traces`` or ``/v1/metrics`` appended for http/protobuf), else the per-signal variable as is; None when
+    nothing names one.
+    ``compression`` is None when unset. Headers, timeouts and certificates are validated here and still read by the
+    OTel exporters themselves from the same variables.
+    """
+
+    endpoint: str | None
+    protocol: str
+    compression: str | None
+    timeout_s: float | None
+    insecure: bool | None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ``configure()`` needs, parsed and checked; arguments already won over the environment.
+
+    ``traces_exporter`` is ``otlp``, ``console``, ``none`` or ``embedded`` (no endpoint and no exporter asked for);
+    ``metrics_exporter`` the same plus ``prometheus``. ``prometheus_port`` is set when a scrape endpoint is wanted
+    (argument, or ``OTEL_METRICS_EXPORTER=prometheus``). Times are milliseconds as in the variables, except the
+    OTLP timeouts, which the Python exporters read as seconds.
+    """
+
+    disabled: bool
+    service_name: str | None
+    resource_attributes: Mapping[str, Any]
+    ranks: Mapping[str, int]
+    traces_exporter: str
+    metrics_exporter: str
+    traces: SignalSettings
+    metrics: SignalSettings
+    sampler: str
+    sampler_arg: float | None
+    metric_export_interval_ms: float
+    metric_export_timeout_ms: float
+    exemplar_filter: str
+    bsp_max_queue_size: int
+    bsp_max_export_batch_size: int
+    bsp_schedule_delay_ms: int
+    bsp_export_timeout_ms: int
+    span_limits: Mapping[str, int | None]
+    prometheus_host: str
+    prometheus_port: int | None
+    pools: tuple[str, ...]
+    cardinality_limit: int
+    internal_metrics: bool | None  # None: OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED unset
+
+
+def validate(
+    env: Mapping[str, str] | None = None,
+    *,
+    service_name: str | None = None,
+    endpoint: str | None = None,
+    protocol: str | None = None,
+    prometheus_port: int | None = None,
+    prometheus_host: str = DEFAULT_PROMETHEUS_HOST,
+    ranks: Mapping[str, int] | None = None,
+    resource_attributes: Mapping[str, Any] | None = None,
+    pools: Sequence[str] = (DEFAULT_POOL,),
+    cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT,
+    set_global: bool = False,
+) -> Settings:
+    """Check ``env`` (``os.environ`` when None) and ``configure()``'s arguments; return the :class:`Settings`.
+
+    Contract: pure apart from a once-per-value warning for a non-boolean boolean; starts nothing, binds nothing,
+    imports no OTel SDK module; raises :class:`ConfigError` ("``NAME=value``: what is wrong; the accepted form"),
+    naming the first bad variable or argument. Arguments win over variables: ``endpoint`` over every
+    ``..._ENDPOINT``, ``protocol`` over every ``..._PROTOCOL``, ``prometheus_port`` over
+    ``OTEL_EXPORTER_PROMETHEUS_*``. The argument names and defaults are ``configure()``'s.
+    """
+    env = os.environ if env is None else env
+    _check_arguments(service_name, endpoint, protocol, prometheus_port, prometheus_host, ranks,
+                     resource_attributes, pools, cardinality_limit, set_global)  # fmt: skip
+
+    disabled = _boolean(env, "OTEL_SDK_DISABLED") or False
+    resource = _key_values(env, "OTEL_RESOURCE_ATTRIBUTES")
+    env_service = env.get("OTEL_SERVICE_NAME", "").strip() or None
+
+    endpoint = endpoint.strip() if endpoint is not None else None
+    traces = _signal(env, "TRACES", endpoint, protocol)
+    metrics = _signal(env, "METRICS", endpoint, protocol)
+    any_endpoint = traces.endpoint is not None or metrics.endpoint is not None
+    default_kind = "otlp" if any_endpoint else "embedded"
+    traces_kind = _choice(env, "OTEL_TRACES_EXPORTER", EXPORTERS) or default_kind
+    metrics_kind = _choice(env, "OTEL_METRICS_EXPORTER", METRICS_EXPORTERS) or default_kind
+
+    sampler = _choice(env, "OTEL_TRACES_SAMPLER", SAMPLERS) or "parentbased_always_on"
+    sampler_arg = None
+    if sampler.endswith("traceidratio"):
+        sampler_arg = _number(env, "OTEL_TRACES_SAMPLER_ARG", "a probability between 0 and 1", low=0.0, high=1.0)
+
+    interval = _number(env, "OTEL_METRIC_EXPORT_INTERVAL", "milliseconds > 0", low=0.0, low_open=True)
+    timeout = _number(env, "OTEL_METRIC_EXPORT_TIMEOUT", "milliseconds > 0", low=0.0, low_open=True)
+    exemplar_filter = env.get("OTEL_METRICS_EXEMPLAR_FILTER", "trace_based")
+    if exemplar_filter not in EXEMPLAR_FILTERS:  # the SDK compares exactly, no case folding
+        raise ConfigError(
+            _bad("OTEL_METRICS_EXEMPLAR_FILTER", exemplar_filter, f"one of {', '.join(EXEMPLAR_FILTERS)}")
+        )
+    _choice(env, "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", TEMPORALITY_PREFERENCES)
+    _choice(env, "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", HISTOGRAM_AGGREGATIONS)
+
+    queue = _integer(env, "OTEL_BSP_MAX_QUEUE_SIZE", low=1)
+    batch = _integer(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", low=1)
+    queue, batch = (2048 if queue is None else queue), (512 if batch is None else batch)
+    if batch > queue:
+        raise ConfigError(
+            f"OTEL_BSP_MAX_EXPORT_BATCH_SIZE={batch} is larger than OTEL_BSP_MAX_QUEUE_SIZE={queue}; "
+            "use a batch size <= the queue size"
+        )
+    delay = _integer(env, "OTEL_BSP_SCHEDULE_DELAY", low=1)
+    bsp_timeout = _integer(env, "OTEL_BSP_EXPORT_TIMEOUT", low=0)
+    limits = {name: _span_limit(env, name) for name in SPAN_LIMITS}
+    _retryable_codes(env)
+    _entry_point(env, "OTEL_PYTHON_CONTEXT", "opentelemetry_context")
+
+    prometheus_port_out = prometheus_port
+    if metrics_kind == "prometheus" and prometheus_port is None:
+        port = _integer(env, "OTEL_EXPORTER_PROMETHEUS_PORT", low=0, high=65535)
+        prometheus_port_out = DEFAULT_PROMETHEUS_PORT if port is None else port
+        raw_host = _raw(env, "OTEL_EXPORTER_PROMETHEUS_HOST")
+        if raw_host is not None:
+            prometheus_host = check_host(raw_host, "OTEL_EXPORTER_PROMETHEUS_HOST")
+    else:  # still checked: a typo should not wait until someone switches the exporter on
+        _integer(env, "OTEL_EXPORTER_PROMETHEUS_PORT", low=0, high=65535)
+        raw_host = _raw(env, "OTEL_EXPORTER_PROMETHEUS_HOST")
+        if raw_host is not None:
+            check_host(raw_host, "OTEL_EXPORTER_PROMETHEUS_HOST")
+
+    return Settings(
+        disabled=disabled,
+        service_name=service_name if service_name is not None else env_service,
+        resource_attributes={**resource, **(resource_attributes or {})},
+        ranks=dict(ranks or {}),
+        traces_exporter=traces_kind,
+        metrics_exporter=metrics_kind,
+        traces=traces,
+        metrics=metrics,
+        sampler=sampler,
+        sampler_arg=sampler_arg,
+        metric_export_interval_ms=60_000.0 if interval is None else interval,
+        metric_export_timeout_ms=30_000.0 if timeout is None else timeout,
+        exemplar_filter=exemplar_filter,
+        bsp_max_queue_size=queue,
+        bsp_max_export_batch_size=batch,
+        bsp_schedule_delay_ms=5000 if delay is None else delay,
+        bsp_export_timeout_ms=30_000 if bsp_timeout is None else bsp_timeout,
+        span_limits=limits,
+        prometheus_host=prometheus_host,
+        prometheus_port=prometheus_port_out,
+        pools=tuple(pools),
+        cardinality_limit=cardinality_limit,
+        internal_metrics=_boolean(env, "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED"),
+    )
+
+
+def check_sdk_import(env: Mapping[str, str] | None = None) -> None:
+    """Check the variables the OTel SDK reads while being imported (so ``import`` cannot raise on them)."""
+    env = os.environ if env is None else env
+    for name in SDK_IMPORT_VARIABLES:
+        _span_limit(env, name)
+
+
+def check_url(value: str, name: str) -> str:
+    """``value`` as an OTLP endpoint URL (``http(s)://host[:port][/path]``), or ConfigError naming ``name``."""
+    accepted = "an http:// or https:// URL such as http://localhost:4317"
+    text = value.strip()
+    try:
+        parts = urlsplit(text)
+        port = parts.port  # raises on a port that is not a number or is out of range
+        host = parts.hostname
+    except ValueError as exc:
+        raise ConfigError(_bad(name, value, f"{accepted} ({exc})")) from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ConfigError(_bad(name, value, accepted))
+    if port == 0:
+        raise ConfigError(_bad(name, value, f"{accepted} (port 1-65535)"))
+    return text
+
+
+# --------------------------------------------------------------------------- arguments
+def _check_arguments(
+    service_name: Any,
+    endpoint: Any,
+    protocol: Any,
+    prometheus_port: Any,
+    prometheus_host: Any,
+    ranks: Any,
+    resource_attributes: Any,
+    pools: Any,
+    cardinality_limit: Any,
+    set_global: Any,
+) -> None:
+    if service_name is not None and (not isinstance(service_name, str) or not service_name.strip()):
+        raise ConfigError(f"service_name={service_name!r}: use a non-empty string")
+    if endpoint is not None:
+        if not isinstance(endpoint, str):
+            raise ConfigError(f"endpoint={endpoint!r}: use a URL string such as http://localhost:4317")
+        check_url(endpoint, "endpoint")
+    if protocol is not None and protocol not in PROTOCOLS:
+        raise ConfigError(f"protocol {protocol!r} is not supported; use one of: {', '.join(PROTOCOLS)}")
+    if prometheus_port is not None and not _is_int(prometheus_port, 0, 65535):
+        raise ConfigError(f"prometheus_port={prometheus_port!r}: use an integer port 0-65535 (0 picks a free one)")
+    if not isinstance(prometheus_host, str):
+        raise ConfigError(f"prometheus_host={prometheus_host!r}: use a host name or IP address")
+    check_host(prometheus_host, "prometheus_host")
+    if ranks is not None:
+        if not isinstance(ranks, Mapping):
+            raise ConfigError(f"ranks={ranks!r}: use a mapping such as {{'tp': 0, 'pp': 0, 'dp': 0}}")
+        for rank, value in ranks.items():
+            if rank not in _RANKS:
+                raise ConfigError(f"ranks: unknown rank {rank!r}; use tp, pp or dp")
+            if not _is_int(value, 0, None):
+                raise ConfigError(f"ranks[{rank!r}]={value!r}: use an integer >= 0")
+    if resource_attributes is not None:
+        if not isinstance(resource_attributes, Mapping):
+            raise ConfigError(
+                f"resource_attributes={resource_attributes!r}: use a mapping of str to str/bool/int/float"
+            )
+        for key, value in resource_attributes.items():
+            if not isinstance(key, str) or not key:
+                raise ConfigError(f"resource_attributes: key {key!r} is not a non-empty string")
+            if not isinstance(value, (str, bool, int, float)):
+                raise ConfigError(f"resource_attributes[{key!r}]={value!r}: use a str, bool, int or float")
+    if isinstance(pools, str) or not isinstance(pools, Sequence) or not pools:
+        raise ConfigError(f"pools={pools!r}: use a non-empty sequence of pool names such as ('kv',)")
+    for pool in pools:
+        if not isinstance(pool, str) or not pool:
+            raise ConfigError(f"pools: {pool!r} is not a non-empty string")
+    if not _is_int(cardinality_limit, 1, None):
+        raise ConfigError(f"cardinality_limit={cardinality_limit!r}: use an integer >= 1")
+    if not isinstance(set_global, bool):
+        raise ConfigError(f"set_global={set_global!r}: use True or False")
+
+
+def _is_int(value: Any, low: int, high: int | None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+
+
+def check_host(value: str, name: str) -> str:
+    """``value`` as a host name or IP address to bind (brackets around IPv6 allowed), or ConfigError naming ``name``."""
+    host = value.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or any(c.isspace() or c in "/?#@[]" for c in host):
+        raise ConfigError(_bad(name, value, "a host name or IP address such as 127.0.0.1, 0.0.0.0 or ::"))
+    return host
+
+
+# --------------------------------------------------------------------------- variables
+def _bad(name: str, raw: object, accepted: str) -> str:
+    return f"{name}={raw!r} is not valid; use {accepted}"
+
+
+def _raw(env: Mapping[str, str], name: str) -> str | None:
+    """The value, or None when unset or blank (the SDK treats a blank value as unset)."""
+    raw = env.get(name)
+    return raw if raw is not None and raw.strip() else None
+
+
+def _choice(env: Mapping[str, str], name: str, allowed: Sequence[str]) -> str | None:
+    raw = _raw(env, name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value not in allowed:
+        raise ConfigError(f"{name}={raw!r} is not supported; use one of: {', '.join(allowed)}")
+    return value
+
+
+def _number(
+    env: Mapping[str, str],
+    name: str,
+    accepted: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> float | None:
+    raw = _raw(env, name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number; use {accepted}") from None
+    too_low = low is not None and (value <= low if low_open else value < low)
+    if not math.isfinite(value) or too_low or (high is not None and value > high):
+        raise ConfigError(f"{name}={raw!r} is out of range; use {accepted}")
+    return value
+
+
+def _integer(env: Mapping[str, str], name: str, *, low: int, high: int | None = None) -> int | None:
+    raw = _raw(env, name)
+    if raw is None:
+        return None
+    accepted = f"an integer >= {low}" if high is None else f"an integer {low}-{high}"
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(_bad(name, raw, accepted)) from None
+    if value < low or (high is not None and value > high):
+        raise ConfigError(_bad(name, raw, accepted))
+    return value
+
+
+def _span_limit(env: Mapping[str, str], name: str) -> int | None:
+    if name not in env:
+        return None
+    raw = env[name]
+    text = raw.strip().lower()
+    if text == "unset":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(_bad(name, raw, "an integer >= 0, or unset"))
+    return value
+
+
+def _boolean(env: Mapping[str, str], name: str) -> bool | None:
+    """The spec's boolean: true/false in any case; anything else warns once and is false. None when unset."""
+    raw = _raw(env, name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value not in ("true", "false"):
+        if (name, raw) not in _warned:
+            _warned.add((name, raw))
+            _logger.warning("%s=%r is not a boolean (true or false); reading it as false", name, raw)
+        return False
+    return value == "true"
+
+
+def _key_values(env: Mapping[str, str], name: str) -> dict[str, str]:
+    """``key=value,key2=value2`` (values percent-encoded), as OTEL_RESOURCE_ATTRIBUTES and the headers use."""
+    raw = env.get(name, "")
+    out: dict[str, str] = {}
+    for member in raw.split(","):
+        if not member.strip():
+            continue
+        key, sep, value = member.partition("=")
+        key = unquote(key).strip()
+        if not sep or not key:
+            raise ConfigError(_bad(name, raw, "comma-separated key=value pairs, values percent-encoded"))
+        out[key] = unquote(value).strip()
+    return out
+
+
+def _headers(env: Mapping[str, str], name: str) -> None:
+    for key in _key_values(env, name):
+        if not _TOKEN.fullmatch(key):
+            raise ConfigError(
+                f"{name}: header name {key!r} is not valid; use comma-separated name=value pairs such as "
+                "api-key=secret,x-tenant=a (values percent-encoded)"
+            )
+
+
+def _file(env: Mapping[str, str], name: str) -> None:
+    path = _raw(env, name)
+    if path is not None and not os.access(path, os.R_OK):
+        raise ConfigError(f"{name}={path!r}: no readable file there; use the path of a PEM file")
+
+
+def _signal(env: Mapping[str, str], signal: str, endpoint: str | None, protocol: str | None) -> SignalSettings:
+    """One signal's OTLP settings: ``OTEL_EXPORTER_OTLP_<SIGNAL>_X`` wins over ``OTEL_EXPORTER_OTLP_X``."""
+    general, specific = "OTEL_EXPORTER_OTLP_", f"OTEL_EXPORTER_OTLP_{signal}_"
+    for prefix in (general, specific):  # both checked: the exporters read both
+        raw = _raw(env, prefix + "ENDPOINT")
+        if raw is not None:
+            check_url(raw, prefix + "ENDPOINT")
+        _choice(env, prefix + "PROTOCOL", PROTOCOLS)
+        _boolean(env, prefix + "INSECURE")
+        _headers(env, prefix + "HEADERS")
+        for suffix in ("CERTIFICATE", "CLIENT_CERTIFICATE", "CLIENT_KEY"):
+            _file(env, prefix + suffix)
+        _number(env, prefix + "TIMEOUT", "seconds > 0 (the Python OTLP exporters read seconds)", low=0.0,
+                low_open=True)  # fmt: skip
+
+    def first(suffix: str) -> tuple[str, str] | tuple[None, None]:
+        for prefix in (specific, general):
+            raw = _raw(env, prefix + suffix)
+            if raw is not None:
+                return prefix + suffix, raw
+        return None, None
+
+    chosen_protocol = protocol or _choice(env, first("PROTOCOL")[0] or general + "PROTOCOL", PROTOCOLS) or "grpc"
+    compression_name, compression_raw = first("COMPRESSION")
+    compression = None
+    if compression_name is not None and compression_raw is not None:
+        compression = compression_raw.strip().lower()
+        accepted = COMPRESSIONS[chosen_protocol]
+        if compression not in accepted:
+            raise ConfigError(
+                f"{compression_name}={compression_raw!r} is not supported by the {chosen_protocol} exporter; "
+                f"use one of: {', '.join(accepted)} (or leave it unset)"
+            )
+    timeout_name, _ = first("TIMEOUT")
+    timeout = _number(env, timeout_name, "seconds > 0", low=0.0, low_open=True) if timeout_name else None
+    insecure_name, _ = first("INSECURE")
+    insecure = _boolean(env, insecure_name) if insecure_name else None
+    specific_endpoint = _raw(env, specific + "ENDPOINT")
+    base = endpoint if endpoint is not None else (None if specific_endpoint else _raw(env, general + "ENDPOINT"))
+    if base is not None:
+        resolved: str | None = base.strip()
+        if chosen_protocol == "http/protobuf":
+            resolved = f"{base.strip().rstrip('/')}/v1/{signal.lower()}"
+    else:
+        resolved = specific_endpoint.strip() if specific_endpoint else None
+    return SignalSettings(
+        endpoint=resolved,
+        protocol=chosen_protocol,
+        compression=compression,
+        timeout_s=timeout,
+        insecure=insecure,
+    )
+
+
+def _entry_point(env: Mapping[str, str], name: str, group: str) -> None:
+    """A variable naming a plugin: one of the installed entry points of ``group``."""
+    raw = _raw(env, name)
+    if raw is None:
+        return
+    from importlib.metadata import entry_points
+
+    installed = sorted(ep.name for ep in entry_points(group=group))
+    if raw.strip() not in installed:
+        raise ConfigError(_bad(name, raw, f"one of the installed {group} entry points: {', '.join(installed)}"))
+
+
+def _retryable_codes(env: Mapping[str, str]) -> None:
+    name = "OTEL_PYTHON_EXPORTER_OTLP_GRPC_RETRYABLE_ERROR_CODES"
+    raw = _raw(env, name)
+    if raw is None:
+        return
+    from grpc import StatusCode  # only when set: grpc is heavy to import
+
+    names = [code.strip().upper() for code in raw.split(",") if code.strip()]
+    unknown = [code for code in names if code not in StatusCode.__members__]
+    if unknown:
+        raise ConfigError(_bad(name, raw, "comma-separated gRPC status code names such as UNAVAILABLE,ABORTED"))
