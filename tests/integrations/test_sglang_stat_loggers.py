@@ -32,7 +32,7 @@ def test_counters_of_two_stat_logger_sets_report_to_their_own_meter_provider(two
     counters = []
     try:
         for sdk, name in ((first, "sglang:first_test_tokens_total"), (second, "sglang:second_test_tokens_total")):
-            counter_cls = OTelStatLoggers(sdk.meter_provider)._metric_classes["_counter_cls"]
+            counter_cls = OTelStatLoggers(sdk.meter_provider).metric_classes["_counter_cls"]
             counter = counter_cls(name, "tokens", ["role"])
             counters.append(counter)
             counter.labels(role="scheduler").inc(7)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from otel_hicache.integrations.sglang import stat_loggers
+from otel_hicache.integrations.sglang.stat_loggers import OTelStatLoggers
 from otel_hicache.sdk import TelemetrySetup, configure
 from tests.pipeline.conftest import Prometheus
 
@@ -23,13 +23,13 @@ pytestmark = pytest.mark.prometheus
 @pytest.fixture
 def sglang_series(prometheus: Prometheus) -> Iterator[TelemetrySetup]:
     setup = configure(env={}, prometheus_port=prometheus.target_port, service_name="sglang")
-    stat_loggers.set_meter_provider(setup.meter_provider)
+    classes = OTelStatLoggers(setup.meter_provider).metric_classes
     try:
         registry = CollectorRegistry()  # SGLang's own prometheus_client side, kept apart from the default registry
         labels = ["model_name"]
-        tokens = stat_loggers.OTelCounter("sglang:prompt_tokens_total", "Prefill tokens", labels, registry=registry)
-        running = stat_loggers.OTelGauge("sglang:num_running_reqs", "Running requests", labels, registry=registry)
-        ttft = stat_loggers.OTelHistogram(
+        tokens = classes["_counter_cls"]("sglang:prompt_tokens_total", "Prefill tokens", labels, registry=registry)
+        running = classes["_gauge_cls"]("sglang:num_running_reqs", "Running requests", labels, registry=registry)
+        ttft = classes["_histogram_cls"](
             "sglang:time_to_first_token_seconds", "TTFT", labels, buckets=(0.1, 1.0), registry=registry
         )
         tokens.labels(model_name="m").inc(128)
@@ -37,7 +37,6 @@ def sglang_series(prometheus: Prometheus) -> Iterator[TelemetrySetup]:
         ttft.labels(model_name="m").observe(0.25)
         yield setup
     finally:
-        stat_loggers.set_meter_provider(None)
         setup.shutdown()
 
 

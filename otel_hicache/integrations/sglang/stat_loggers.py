@@ -175,7 +175,8 @@ class OTelStatLoggers:
     ) -> None:
         meter = metrics.get_meter(METER_NAME, __version__, meter_provider)
         bound = {"_meter": meter, "_include_hicache_series": include_hicache_series}
-        self._metric_classes = {
+        #: SGLang's metric-class attributes (``_counter_cls``, ...) -> our classes, bound to this meter provider.
+        self.metric_classes = {
             attribute: type(cls.__name__, (cls,), {**bound, "__module__": __name__})
             for attribute, cls in (
                 ("_counter_cls", OTelCounter),
@@ -199,7 +200,7 @@ class OTelStatLoggers:
                 namespace = {
                     "__module__": __name__,
                     "__doc__": f"``{base.__name__}`` whose series also flow over OpenTelemetry.",
-                    **self._metric_classes,
+                    **self.metric_classes,
                 }
                 return type(f"OTel{base.__name__}", (base,), namespace)
 
