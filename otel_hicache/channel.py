@@ -69,10 +69,12 @@ class Channel:
         if shared and fd is None:
             fd = _anonymous_file(size)
         self.fd = fd
+        # Pages mapped in up front: no page fault on the hot path the first time a ring slot is written.
+        populate = getattr(mmap, "MAP_POPULATE", 0)
         if fd is None:  # private: a forked child gets its own copy, never the parent's counts
-            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
         else:
-            self._map = mmap.mmap(fd, size)
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
         self.ints = memoryview(self._map).cast("B").cast("q")
         self.bytes = memoryview(self._map)
         self.counters = Counters(layout, self.ints)
@@ -119,21 +121,19 @@ class Channel:
             return False
         buf, index, labels = self.bytes, self._pool_index, self._labels
         offset = self.ring_offset + (write % self.capacity) * self.slot
-        split = t.bytes_by_pool is not None
-        if split:  # (tokens, bytes) per pool; a pool may have bytes and no tokens (a sidecar)
-            pools: dict[str, list[int]] = {pool: [n, -1] for pool, n in t.tokens}
-            for pool, n in t.bytes_by_pool or ():
+        (op, tokens, num_bytes, by_pool, start, end, duration, source, merged, nodes, policy, backend, links,
+         _) = t  # fmt: skip
+        if by_pool is not None:  # (tokens, bytes) per pool; a pool may have bytes and no tokens (a sidecar)
+            pools: dict[str, list[int]] = {pool: [n, -1] for pool, n in tokens}
+            for pool, n in by_pool:
                 pools.setdefault(pool, [-1, -1])[1] = n
             entries = [(index[pool], n, size) for pool, (n, size) in pools.items()]
         else:
-            entries = [(index[pool], n, -1) for pool, n in t.tokens]
-        links = t.links
-        duration = math.nan if t.copy_duration_s is None else t.copy_duration_s
-        policy = labels.get(t.write_policy) or self._label(t.write_policy)
-        backend = labels.get(t.io_backend) or self._label(t.io_backend)
-        _FIXED.pack_into(buf, offset, _KIND_TRANSFER, _OP_INDEX[t.operation], _SOURCE_INDEX[t.timing_source],
-                         len(entries), len(links), split, 0, t.submit_time_ns, t.complete_time_ns, duration,
-                         t.num_bytes, t.merged_ops, t.node_count, policy, backend)  # fmt: skip
+            entries = [(index[pool], n, -1) for pool, n in tokens]
+        _FIXED.pack_into(buf, offset, _KIND_TRANSFER, _OP_INDEX[op], _SOURCE_INDEX[source], len(entries), len(links),
+                         by_pool is not None, 0, start, end, math.nan if duration is None else duration, num_bytes,
+                         merged, nodes, labels.get(policy) or self._label(policy),
+                         labels.get(backend) or self._label(backend))  # fmt: skip
         at = offset + _FIXED.size
         for entry in entries:
             _POOL.pack_into(buf, at, *entry)

@@ -165,26 +165,29 @@ class HiCacheTelemetry:
         self._count_transfer(checked)
 
     def _count_transfer(self, t: validation.Transfer) -> None:
-        op, source = t.operation, t.timing_source
+        op, tokens, num_bytes, by_pool, source, corrections = t[0], t[1], t[2], t[3], t[7], t[13]
+        ints, slots = self._ints, self._tokens_slot
         with self._lock:
-            ints = self._ints
-            slots = self._tokens_slot
-            for pool, n in t.tokens:
-                ints[slots[(op, pool)]] += n
+            for pool, n in tokens:
+                ints[slots[op, pool]] += n
             slots = self._size_slot
-            if t.bytes_by_pool is None:
-                ints[slots[(op, None, source)]] += t.num_bytes
+            if by_pool is None:
+                ints[slots[op, None, source]] += num_bytes
             else:
-                for pool, n in t.bytes_by_pool:
-                    ints[slots[(op, pool, source)]] += n
-            for problem in t.corrections:
-                ints[self._normalized_slot[(RecordKind.TRANSFER, problem)]] += 1
+                for pool, n in by_pool:
+                    ints[slots[op, pool, source]] += n
             queued = not self._closed and self._channel.put_transfer(t)
             if not queued:
                 ints[self._dropped_slot[(RecordKind.TRANSFER,)]] += 1
+            for problem in corrections:
+                ints[self._normalized_slot[RecordKind.TRANSFER, problem]] += 1
         if not self._consumer_started:
             self._start()
-        for problem in t.corrections:
+        if corrections or not queued:
+            self._warn_transfer(corrections, queued)
+
+    def _warn_transfer(self, corrections: tuple[Problem, ...], queued: bool) -> None:
+        for problem in corrections:
             self._warn_once(RecordKind.TRANSFER, problem, "record corrected and counted")
         if not queued:
             self._warn_once(RecordKind.TRANSFER, "ring_full", "span queue full or telemetry shut down; spans dropped")
