@@ -108,8 +108,10 @@ class Summary:
 
 
 def summarize(setup: TelemetrySetup) -> Summary:
-    """Compute the :class:`Summary` of everything ``setup`` has recorded so far (flushes queued records first)."""
-    setup.telemetry.flush()
+    """Compute the :class:`Summary` of everything ``setup`` has recorded so far (queued records first: flushed into the
+    in-process reader; when exporting elsewhere the exact counters are read, nothing waits on the collector)."""
+    if setup.metric_reader is not None or setup.recent_spans is not None:
+        setup.telemetry.flush()
     notes: list[str] = []
     histograms: dict[str, list[HistogramDataPoint]] = {}
     pools: list[PoolStats] = []

@@ -124,7 +124,6 @@ def run_demo(
         cache.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    telemetry.flush()
     return _result(cache, served, time.perf_counter() - start, device, write_policy)
 
 
