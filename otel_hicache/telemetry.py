@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span
@@ -62,6 +62,7 @@ POOL_INTERVAL_S = 1.0
 SETTLE_TIMEOUT_S = 1.0
 
 PoolSource = Callable[[], Iterable[PoolUsage]]
+_T = TypeVar("_T")
 
 
 class Consumer(Protocol):
@@ -212,27 +213,17 @@ class HiCacheTelemetry:
 
     def record_failure(self, failure: TransferFailure) -> None:
         """Count a transfer that could not be issued or completed. Never raises."""
-        try:
-            key = validation.failure(failure)
-        except Rejected as rejected:
-            self._reject(RecordKind.FAILURE, rejected.problem)
-            return
-        except Exception:
-            self._reject(RecordKind.FAILURE, Problem.MALFORMED)
-            return
-        self._add([(self._failure_slot[key], 1)])
+        key = self._checked(RecordKind.FAILURE, validation.failure, failure)
+        if key is not None:
+            self._add([(self._failure_slot[key], 1)])
 
     def record_drop(self, drop: DropRecord) -> None:
         """Count device KV destroyed without a host copy. Never raises."""
         corrections: list[Problem] = []
-        try:
-            reason, tokens = validation.drop(drop, self._known, corrections)
-        except Rejected as rejected:
-            self._reject(RecordKind.DROP, rejected.problem)
+        checked = self._checked(RecordKind.DROP, validation.drop, drop, self._known, corrections)
+        if checked is None:
             return
-        except Exception:
-            self._reject(RecordKind.DROP, Problem.MALFORMED)
-            return
+        reason, tokens = checked
         adds = [(self._drop_slot[(reason, pool)], n) for pool, n in tokens]
         self._add(adds + [(self._normalized_slot[(RecordKind.DROP, p)], 1) for p in corrections])
         for problem in corrections:
@@ -240,15 +231,10 @@ class HiCacheTelemetry:
 
     def record_eviction(self, eviction: EvictionRecord) -> None:
         """Count one eviction pass and queue its duration. Never raises."""
-        try:
-            tier, tokens, duration_s = validation.eviction(eviction)
-            time_ns = validation.count(eviction.time_ns, 1 << 63)
-        except Rejected as rejected:
-            self._reject(RecordKind.EVICTION, rejected.problem)
+        checked = self._checked(RecordKind.EVICTION, validation.eviction, eviction)
+        if checked is None:
             return
-        except Exception:
-            self._reject(RecordKind.EVICTION, Problem.MALFORMED)
-            return
+        tier, tokens, duration_s, time_ns = checked
         with self._lock:
             self._ints[self._evicted_slot[(tier,)]] += tokens
             queued = not self._closed and self._channel.put_eviction(tier, tokens, duration_s, time_ns)
@@ -259,13 +245,8 @@ class HiCacheTelemetry:
 
     def record_prefix_split(self, split: PrefixSplit, request_span: Span | None = None) -> None:
         """Count one admitted prefill by mode; put the split on ``request_span`` when given. Never raises."""
-        try:
-            counts = validation.prefix_split(split)
-        except Rejected as rejected:
-            self._reject(RecordKind.PREFIX_SPLIT, rejected.problem)
-            return
-        except Exception:
-            self._reject(RecordKind.PREFIX_SPLIT, Problem.MALFORMED)
+        counts = self._checked(RecordKind.PREFIX_SPLIT, validation.prefix_split, split)
+        if counts is None:
             return
         self._add([(self._prefill_slot[(mode,)], n) for mode, n in counts.items()])
         try:
@@ -318,6 +299,16 @@ class HiCacheTelemetry:
         _LIVE.discard(self)
 
     # ------------------------------------------------------------------ internals
+    def _checked(self, kind: RecordKind, check: Callable[..., _T], *args: Any) -> _T | None:
+        """``check(*args)``, or None after counting the refusal (never raises)."""
+        try:
+            return check(*args)
+        except Rejected as rejected:
+            self._reject(kind, rejected.problem)
+        except Exception:
+            self._reject(kind, Problem.MALFORMED)
+        return None
+
     def _add(self, adds: list[tuple[int, int]]) -> None:
         with self._lock:
             ints = self._ints

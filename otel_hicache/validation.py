@@ -228,13 +228,14 @@ def drop(record: Any, known: frozenset[str], corrections: list[Problem]) -> tupl
     return reason, pool_counts(record.tokens_by_pool, known, MAX_TOKENS, corrections)
 
 
-def eviction(record: Any) -> tuple[Tier, int, float]:
+def eviction(record: Any) -> tuple[Tier, int, float, int]:
+    """``(tier, tokens, duration, time)`` of an :class:`~otel_hicache.records.EvictionRecord`."""
     if not isinstance(record, EvictionRecord):
         raise Rejected(Problem.MALFORMED)
     tier = TIERS.get(record.tier) if isinstance(record.tier, str) else None
     if tier is None:
         raise Rejected(Problem.UNKNOWN_TIER)
-    return tier, count(record.num_tokens), duration(record.duration_s)
+    return tier, count(record.num_tokens), duration(record.duration_s), count(record.time_ns, 1 << 63)
 
 
 def prefix_split(record: Any) -> dict[PrefillMode, int]:
