@@ -111,7 +111,7 @@ class HiCacheTelemetry:
         extra = [str(p) for p in extra_pools if p not in sc.POOLS and p != sc.OTHER_POOL]
         if len(extra) > sc.MAX_EXTRA_POOLS:
             raise ValueError(f"extra_pools: at most {sc.MAX_EXTRA_POOLS} names (each is a series of every metric)")
-        self._known = frozenset(sc.POOLS | set(extra))
+        self._known = {pool: pool for pool in sc.POOLS | set(extra)}
         seeds = [validation.pool_name(p, self._known, []) for p in pools]
         self._layout = Layout([*sorted(self._known), sc.OTHER_POOL], seeds, HEADER_INTS)
         self._max_queue = max_queue
@@ -177,7 +177,7 @@ class HiCacheTelemetry:
             else:
                 for pool, n in by_pool:
                     ints[slots[op, pool, source]] += n
-            queued = not self._closed and self._channel.put_transfer(t)
+            queued = not self._closed and self._put(t)
             if not queued:
                 ints[self._dropped_slot[(RecordKind.TRANSFER,)]] += 1
             for problem in corrections:
@@ -186,6 +186,12 @@ class HiCacheTelemetry:
             self._start()
         if corrections or not queued:
             self._warn_transfer(corrections, queued)
+
+    def _put(self, t: validation.Transfer) -> bool:
+        try:  # a slot is published only once whole: a failure leaves the ring as it was
+            return self._channel.put_transfer(t)
+        except Exception:
+            return False
 
     def _warn_transfer(self, corrections: tuple[Problem, ...], queued: bool) -> None:
         for problem in corrections:

@@ -31,6 +31,10 @@ TIERS: dict[str, Tier] = {t.value: t for t in Tier}
 TIMING_SOURCES: dict[str, TimingSource] = {t.value: t for t in TimingSource}
 
 
+#: The known pool names, each mapped to itself: lookups return our own string object.
+Pools = Mapping[str, str]
+
+
 class Rejected(Exception):
     """The record is refused; ``problem`` is the closed name counted in ``otel_hicache.records.rejected``."""
 
@@ -98,19 +102,21 @@ def _items(mapping: Any) -> list[tuple[Any, Any]]:
         raise Rejected(Problem.MALFORMED) from None
 
 
-def pool_name(pool: Any, known: frozenset[str], corrections: list[Problem]) -> str:
-    """``pool`` as a plain string when it is a known pool, else ``other`` (noted once in ``corrections``)."""
+def pool_name(pool: Any, known: Pools, corrections: list[Problem]) -> str:
+    """The known pool's own name (a plain ``str``: never the producer's object, whatever its ``__str__`` says), else
+    ``other`` (noted once in ``corrections``)."""
     try:
-        if pool in known:
-            return str(pool)
+        name = known.get(pool)
     except TypeError:  # unhashable
-        pass
+        name = None
+    if name is not None:
+        return name
     if Problem.UNKNOWN_POOL not in corrections:
         corrections.append(Problem.UNKNOWN_POOL)
     return sc.OTHER_POOL
 
 
-def pool_counts(mapping: Any, known: frozenset[str], limit: int, corrections: list[Problem]) -> list[tuple[str, int]]:
+def pool_counts(mapping: Any, known: Pools, limit: int, corrections: list[Problem]) -> list[tuple[str, int]]:
     """``(pool, count)`` pairs from one read of ``mapping``; unknown pools summed under ``other``."""
     items = _items(mapping)
     if type(mapping) is dict:  # the common case, checked without copying: unique keys, plain ints, known pools
@@ -136,6 +142,12 @@ def _label(value: Any, corrections: list[Problem]) -> str | None:
     return None
 
 
+def _ids_fit(context: SpanContext) -> bool:
+    """A valid span context whose ids fit W3C's 128 and 64 bits (what a link on the wire can carry)."""
+    trace_id, span_id = context.trace_id, context.span_id
+    return type(trace_id) is int and type(span_id) is int and 0 < trace_id < 1 << 128 and 0 < span_id < 1 << 64
+
+
 def _links(value: Any, corrections: list[Problem]) -> tuple[SpanContext, ...]:
     if not value:
         return ()
@@ -144,7 +156,7 @@ def _links(value: Any, corrections: list[Problem]) -> tuple[SpanContext, ...]:
     except Exception:
         corrections.append(Problem.BAD_LINK)
         return ()
-    links = tuple(c for c in candidates if isinstance(c, SpanContext) and c.is_valid)
+    links = tuple(c for c in candidates if isinstance(c, SpanContext) and _ids_fit(c))
     if len(links) != len(candidates):
         corrections.append(Problem.BAD_LINK)
     if len(links) > sc.MAX_LINKS:
@@ -153,7 +165,7 @@ def _links(value: Any, corrections: list[Problem]) -> tuple[SpanContext, ...]:
     return links
 
 
-def transfer(record: Any, known: frozenset[str]) -> Transfer:
+def transfer(record: Any, known: Pools) -> Transfer:
     """Check a :class:`~otel_hicache.records.TransferRecord` (or anything shaped like one)."""
     if not isinstance(record, TransferRecord):
         raise Rejected(Problem.MALFORMED)
@@ -219,7 +231,7 @@ def failure(record: Any) -> tuple[TransferOperation, str]:
     return op, (str(error) if isinstance(error, str) and error in sc.TRANSFER_ERRORS else sc.OTHER_ERROR)
 
 
-def drop(record: Any, known: frozenset[str], corrections: list[Problem]) -> tuple[DropReason, list[tuple[str, int]]]:
+def drop(record: Any, known: Pools, corrections: list[Problem]) -> tuple[DropReason, list[tuple[str, int]]]:
     if not isinstance(record, DropRecord):
         raise Rejected(Problem.MALFORMED)
     reason = REASONS.get(record.reason) if isinstance(record.reason, str) else None
@@ -244,9 +256,7 @@ def prefix_split(record: Any) -> dict[PrefillMode, int]:
     return {mode: count(n) for mode, n in record.by_mode().items()}
 
 
-def pool_usages(
-    entries: Iterable[Any], known: frozenset[str], corrections: list[Problem]
-) -> list[tuple[Tier, str, int, int]]:
+def pool_usages(entries: Iterable[Any], known: Pools, corrections: list[Problem]) -> list[tuple[Tier, str, int, int]]:
     """``(tier, pool, used, limit)`` of each well-formed :class:`~otel_hicache.records.PoolUsage`; a bad entry
     raises :class:`Rejected` for the whole reading of that source."""
     out = []

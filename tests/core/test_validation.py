@@ -201,3 +201,22 @@ def test_no_telemetry_instance_outlives_its_last_reference() -> None:
         del telemetry
     gc.collect()
     assert [r for r in refs if r() is not None] == []
+
+
+def test_a_pool_name_object_that_lies_about_itself_is_counted_under_our_own_name(sdk: Sdk) -> None:
+    class Liar(str):
+        def __str__(self) -> str:
+            return "../../etc"
+
+    sdk.telemetry.record_transfer(backup({Liar("kv"): 4}))
+    assert kv(sdk) == 4
+    (span,) = sdk.spans()
+    assert "hicache.transfer.tokens.kv" in span.attributes
+
+
+def test_a_link_whose_ids_do_not_fit_the_wire_is_left_out(sdk: Sdk) -> None:
+    oversized = SpanContext(1 << 130, 0xDEF, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    sdk.telemetry.record_transfer(backup({"kv": 3}, links=(oversized,)))
+    (span,) = sdk.spans()
+    assert span.links == () or list(span.links) == []
+    assert sdk.telemetry.snapshot()[sc.METRIC_RECORDS_NORMALIZED][("transfer", "bad_link")] == 1
