@@ -51,10 +51,18 @@ class _ControllerState:
 
 
 class HiCacheHooks:
-    """The wrapper callables (wrapt signature ``(wrapped, instance, args, kwargs)``) bound to one telemetry sink."""
+    """The wrapper callables (wrapt signature ``(wrapped, instance, args, kwargs)``) bound to one telemetry sink.
 
-    def __init__(self, telemetry: HiCacheTelemetry) -> None:
+    ``telemetry`` None: the sink is built by ``create()`` on the process's first HiCache event (``init_hicache``, a
+    consumed ack, a drop, an L3 transfer); evictions and prefill admissions are reported once it exists, so a process
+    that never runs HiCache builds nothing. A ``create()`` that fails is logged once and not retried.
+    """
+
+    def __init__(
+        self, telemetry: HiCacheTelemetry | None, create: Callable[[], HiCacheTelemetry] | None = None
+    ) -> None:
         self.telemetry = telemetry
+        self._create = create
         # Per-controller state lives on the controller itself (one attribute read per hook call); the weak
         # dictionary is only the fallback for a controller that takes no new attributes.
         self._attr = f"_otel_hicache_acks_{id(self):x}"
@@ -73,6 +81,20 @@ class HiCacheHooks:
             hook,
             exc_info=True,
         )
+
+    def _sink(self) -> HiCacheTelemetry | None:
+        """The telemetry, built now if this is the process's first HiCache event."""
+        telemetry = self.telemetry
+        if telemetry is not None or self._create is None:
+            return telemetry
+        with self._lock:
+            if self.telemetry is None and self._create is not None:
+                create, self._create = self._create, None
+                try:
+                    self.telemetry = create()
+                except Exception as exc:
+                    _log.warning("otel_hicache: SGLang HiCache is not reported in this process: %s", exc)
+        return self.telemetry
 
     def _state(self, controller: Any) -> _ControllerState:
         state = getattr(controller, self._attr, None)
@@ -137,6 +159,13 @@ class HiCacheHooks:
     def loading_check(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         return self._check(wrapped, instance, args, kwargs, _LOAD)
 
+    def decode_offload_check(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``DecodeKVCacheOffloadManager._check_offload_progress(finish_count)``: PD decode's own consumer of its
+        controller's write acks (device -> host offloads), reported as backups like ``writing_check``'s."""
+        if (args[0] if args else kwargs.get("finish_count", 1)) == 0:
+            return wrapped(*args, **kwargs)  # the step with no completed offload consumes nothing: no bookkeeping
+        return self._check(wrapped, instance, args, kwargs, _WRITE)
+
     def _check(self, wrapped: Callable[..., Any], cache: Any, args: tuple, kwargs: dict, direction: str) -> Any:
         if not args and kwargs.get("finish_count", 1) == 0 and not kwargs.get("write_back"):
             return wrapped(**kwargs)  # the scheduler's step with no completed ack consumes nothing: no bookkeeping
@@ -196,7 +225,10 @@ class HiCacheHooks:
         else:
             operation, policy = TransferOperation.LOAD_BACK, None
         io_backend = cc.io_backend or None
-        defer = self.telemetry.record_transfer_deferred
+        telemetry = self._sink()
+        if telemetry is None:
+            return
+        defer = telemetry.record_transfer_deferred
         for ack, submit_ns, merged in done:
             defer(_ack_record, (ack, submit_ns, done_ns, merged, operation, policy, io_backend))
 
@@ -207,7 +239,7 @@ class HiCacheHooks:
         result = wrapped(*args, **kwargs)
         try:
             freed = result.num_tokens_evicted
-            if freed > 0:
+            if freed > 0 and self.telemetry is not None:
                 duration = time.perf_counter() - start
                 self.telemetry.record_eviction(
                     EvictionRecord(tier=Tier.DEVICE, num_tokens=freed, duration_s=duration, time_ns=now_ns())
@@ -220,8 +252,9 @@ class HiCacheHooks:
         result = wrapped(*args, **kwargs)
         try:
             tokens, reason = _drop_arguments(*args, **kwargs)
-            if tokens > 0:
-                self.telemetry.record_drop(
+            telemetry = self._sink() if tokens > 0 else None
+            if telemetry is not None:
+                telemetry.record_drop(
                     DropRecord(reason=reason, tokens_by_pool={DEFAULT_POOL: tokens}, time_ns=now_ns())
                 )
         except Exception:
@@ -249,7 +282,7 @@ class HiCacheHooks:
                 host_hit=after[2] - before[2],
                 storage_hit=after[3] - before[3],
             )
-            if any(split):
+            if any(split) and self.telemetry is not None:
                 self.telemetry.record_prefix_split(split)
         except Exception:
             self._fail("prefill_admission")
@@ -263,9 +296,10 @@ class HiCacheHooks:
         try:
             operation = args[0] if args else kwargs["operation"]
             tokens = operation.completed_tokens
-            if tokens > 0:
+            telemetry = self._sink() if tokens > 0 else None
+            if telemetry is not None:
                 duration = time.perf_counter() - start
-                self.telemetry.record_transfer(
+                telemetry.record_transfer(
                     TransferRecord(
                         operation=TransferOperation.STORAGE_BACKUP,
                         tokens_by_pool={DEFAULT_POOL: tokens},
@@ -293,9 +327,10 @@ class HiCacheHooks:
             return wrapped(*args, **kwargs)
         result = wrapped(*args, **kwargs)
         try:
-            if tokens > 0:
+            telemetry = self._sink() if tokens > 0 else None
+            if telemetry is not None:
                 cc = instance.cache_controller
-                self.telemetry.record_transfer(
+                telemetry.record_transfer(
                     TransferRecord(
                         operation=TransferOperation.STORAGE_PREFETCH,
                         tokens_by_pool={DEFAULT_POOL: tokens},
@@ -314,7 +349,9 @@ class HiCacheHooks:
         """After ``UnifiedRadixCache.init_hicache``: report the host KV pool's occupancy at each collection."""
         result = wrapped(*args, **kwargs)
         try:
-            self.telemetry.add_pool_usage_source(_HostPoolSource(instance, self.telemetry))
+            telemetry = self._sink()
+            if telemetry is not None:
+                telemetry.add_pool_usage_source(_HostPoolSource(instance, telemetry))
         except Exception:
             self._fail("init_hicache")
         return result
