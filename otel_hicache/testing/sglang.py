@@ -175,6 +175,23 @@ def file_storage(directory: Path) -> Iterator[FileStorage]:
                 cache.cache_controller._stop_storage_threads()
 
 
+def make_request(tokens: list[int], rid: str, retracted: bool = False) -> Any:
+    """An SGLang ``Req`` for ``tokens`` (greedy, 4 new tokens), as the scheduler receives it."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(
+        rid=rid,
+        origin_input_text="",
+        origin_input_ids=array("q", tokens),
+        sampling_params=SamplingParams(temperature=0, max_new_tokens=4),
+    )
+    req.retracted_stain = retracted
+    return req
+
+
 def init_cpu_parallel(rank: int, world_size: int, init_method: str, **server_args: Any) -> Any:
     """Make this process tensor-parallel rank ``rank`` of ``world_size`` as an SGLang scheduler process is: publish
     the ranks (``run_scheduler_process``), join the WORLD over gloo and build SGLang's parallel groups. Returns the TP
