@@ -83,3 +83,27 @@ def test_a_load_back_links_to_the_request_it_served_and_the_request_span_carries
     receiver = sglang_request_tracing
     span_id = request_span.get_span_context().span_id.to_bytes(8, "big")
     assert receiver.wait_for(lambda: any(s.span_id == span_id for s in receiver.spans()), timeout_s=15)
+
+
+def test_a_backup_links_to_the_request_whose_tokens_it_wrote(
+    instrumented: Sdk, sglang_request_tracing: OtlpReceiver
+) -> None:
+    cache, allocator, req_to_token_pool = build_hicache("write_through", kv_size=128)
+    tokens = list(range(300, 316))
+    req = make_request(tokens, "traced-backup")
+    req.time_stats.init_trace_ctx(req.rid, None)
+    req.time_stats.trace_ctx.trace_req_start()
+    request_span: Any = req.time_stats.trace_ctx.thread_context.thread_span
+    req.init_next_round_input(cache)  # nothing cached yet
+    req_to_token_pool.alloc([req])
+    req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(tokens)] = allocator.alloc(len(tokens))
+    req.kv.kv_allocated_len = len(tokens)
+    cache.checkpoint_into_tree(req, up_to=len(tokens))  # the scheduler caches the prefilled request: write-through
+    cache.flush_pending_backups()
+    pump(cache, lambda: not cache.ongoing_write_through, "backup")
+    req.time_stats.trace_ctx.trace_req_finish()
+    instrumented.telemetry.flush()
+
+    (backup,) = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.BACKUP])
+    assert backup.attributes[sc.ATTR_TOKENS] == len(tokens)
+    assert [link.context for link in backup.links] == [request_span.get_span_context()]
