@@ -112,7 +112,7 @@ def ranked_telemetry() -> tuple[HiCacheTelemetry, TelemetrySetup]:
 
 def _unset(provider: Any) -> bool:
     """Whether ``provider`` is OTel's placeholder (nothing installed yet)."""
-    return type(provider).__name__ in ("ProxyTracerProvider", "ProxyMeterProvider", "_ProxyMeterProvider")
+    return type(provider).__name__ in ("ProxyTracerProvider", "_ProxyMeterProvider")
 
 
 __all__ = ["ENTRY_POINT", "disabled", "load", "parallel_ranks", "ranked_telemetry", "reports_tokens"]
