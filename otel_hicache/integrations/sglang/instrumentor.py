@@ -66,18 +66,16 @@ class SGLangHiCacheInstrumentor(EngineInstrumentor):
 
     _engine = "SGLang HiCache"
     _extra_pools = SGLANG_POOLS
+    _setup: TelemetrySetup | None = None  # this process's telemetry, once built (plugin / opentelemetry-instrument)
+    _hooks: HiCacheHooks | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments_sglang
-
-    _setup: TelemetrySetup | None = None
 
     @property
     def telemetry(self) -> HiCacheTelemetry | None:
         """The sink the wrappers report through (``None`` until built: see ``instrument``)."""
         return self._telemetry if self._hooks is None else self._hooks.telemetry
-
-    _hooks: HiCacheHooks | None = None
 
     def _sink(self, kwargs: dict[str, Any]) -> HiCacheTelemetry:
         if any(kwargs.get(k) is not None for k in ("telemetry", "tracer_provider", "meter_provider")):
