@@ -1,5 +1,5 @@
-"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,importtax,all} ... [--smoke] [--device cpu|cuda]``
-(``--rates R,R`` for ``loop``)
+"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,importtax,sigkill,all} ... [--smoke]``
+(``--device cpu|cuda``; ``--rates R,R`` for ``loop``)
 
 Prints one markdown table per benchmark (plus the machine line); ``--markdown FILE`` / ``--json FILE`` also write
 them. Exits 1 when a correctness check (ground truth, accounting) failed; never because of a timing.
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from benchmarks._common import Table, dump_json, machine_line
 
-NAMES = ("hotpath", "loop", "transfer", "soak", "sglang", "importtax")
+NAMES = ("hotpath", "loop", "transfer", "soak", "sglang", "importtax", "sigkill")
 
 
 def _command(args: argparse.Namespace, name: str) -> str:
@@ -58,6 +58,10 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[], Table | None]:
         from benchmarks import transfer
 
         return lambda: transfer.run(transfer.Params.smoke() if args.smoke else transfer.Params(), args.device, command)
+    if name == "sigkill":
+        from benchmarks import sigkill
+
+        return lambda: sigkill.run(args.smoke, command)
     if name == "importtax":
         from benchmarks import importtax
 

@@ -128,3 +128,9 @@ def test_import_tax_compares_our_instrumentor_on_and_off_without_importing_sglan
         "python -c pass", "opentelemetry-instrument, ours disabled", "opentelemetry-instrument, ours enabled"
     }  # fmt: skip
     assert all(_sane(row["seconds"]) and row["max_rss_bytes"] > 0 for row in data.values())
+
+
+def test_a_sigkilled_host_still_exports_its_last_window(tmp_path: Path) -> None:
+    _, tables = _run(tmp_path, "sigkill")
+    (run,) = tables["sigkill"]["data"]["runs"]
+    assert 0 < run["exported"] <= run["handed"]
