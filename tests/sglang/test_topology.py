@@ -121,7 +121,9 @@ def test_two_tp_schedulers_report_once_with_their_ranks_and_a_sigkilled_one_lose
     # Token flows are logical: reported by rank 0 only, once (one backup and one load back of TOKENS tokens).
     assert rank0.points(sc.METRIC_TRANSFER_TOKENS) == {(BACKUP, "kv"): TOKENS, (LOAD_BACK, "kv"): TOKENS}
     assert rank0.points(sc.METRIC_EVICTION_TOKENS) == {("device",): TOKENS}
-    assert sc.METRIC_TRANSFER_TOKENS not in rank1.metrics and sc.METRIC_EVICTION_TOKENS not in rank1.metrics
+    assert rank0.points(sc.METRIC_POOL_LIMIT)  # the host pool's size, in tokens
+    for name in (sc.METRIC_TRANSFER_TOKENS, sc.METRIC_EVICTION_TOKENS, sc.METRIC_POOL_USAGE, sc.METRIC_POOL_LIMIT):
+        assert name not in rank1.metrics, name
     # Bytes are per rank: each rank moved its own shard (here the same size), and the SIGKILLed rank's last window
     # (its load back, never flushed by the process) arrived from its export process.
     sizes0 = {key[0]: n for key, n in rank0.points(sc.METRIC_TRANSFER_SIZE).items()}
