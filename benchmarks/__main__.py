@@ -1,4 +1,5 @@
-"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,all} ... [--smoke] [--device cpu|cuda] [--rates R,R]``
+"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,importtax,sigkill,all} ... [--smoke]``
+(``--device cpu|cuda``; ``--rates R,R`` for ``loop``)
 
 Prints one markdown table per benchmark (plus the machine line); ``--markdown FILE`` / ``--json FILE`` also write
 them. Exits 1 when a correctness check (ground truth, accounting) failed; never because of a timing.
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 from benchmarks._common import Table, dump_json, machine_line
 
-NAMES = ("hotpath", "loop", "transfer", "soak", "sglang")
+NAMES = ("hotpath", "loop", "transfer", "soak", "sglang", "importtax", "sigkill")
 
 
 def _command(args: argparse.Namespace, name: str) -> str:
@@ -57,6 +58,14 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[], Table | None]:
         from benchmarks import transfer
 
         return lambda: transfer.run(transfer.Params.smoke() if args.smoke else transfer.Params(), args.device, command)
+    if name == "sigkill":
+        from benchmarks import sigkill
+
+        return lambda: sigkill.run(args.smoke, command)
+    if name == "importtax":
+        from benchmarks import importtax
+
+        return lambda: importtax.run(args.smoke, command)
     from benchmarks import sglang_path
 
     return lambda: sglang_path.run(args.smoke, command)

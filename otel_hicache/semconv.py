@@ -154,6 +154,9 @@ ATTR_PREFIX_TOKENS: Final = "hicache.prefix.tokens"  # per mode on request spans
 RESOURCE_TP_RANK: Final = "hicache.rank.tp"
 RESOURCE_PP_RANK: Final = "hicache.rank.pp"
 RESOURCE_DP_RANK: Final = "hicache.rank.dp"
+#: The rank inside the attention tensor-parallel group (SGLang's ``attn_tp_rank``; equals the TP rank without attention
+#: data or context parallelism).
+RESOURCE_ATTN_TP_RANK: Final = "hicache.rank.attn_tp"
 
 # self-telemetry attributes
 ATTR_RECORD_KIND: Final = "otel_hicache.record.kind"

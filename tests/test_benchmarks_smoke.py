@@ -116,3 +116,21 @@ def test_real_sglang_ack_path_smoke(tmp_path: Path) -> None:
         if name != "goals":
             assert _sane(values["check_p50"]) and values["check_p50"] > 0, name
             assert {"ratio_vs_prometheus", "ratio_with_empty_check", "host_cpu_added"} <= set(values), name
+
+
+@pytest.mark.skipif(
+    not Path(sys.executable).with_name("opentelemetry-instrument").exists(), reason="opentelemetry-instrument missing"
+)
+def test_import_tax_compares_our_instrumentor_on_and_off_without_importing_sglang_or_torch(tmp_path: Path) -> None:
+    _, tables = _run(tmp_path, "importtax")
+    data = tables["importtax"]["data"]
+    assert set(data) == {
+        "python -c pass", "opentelemetry-instrument, ours disabled", "opentelemetry-instrument, ours enabled"
+    }  # fmt: skip
+    assert all(_sane(row["seconds"]) and row["max_rss_bytes"] > 0 for row in data.values())
+
+
+def test_a_sigkilled_host_still_exports_its_last_window(tmp_path: Path) -> None:
+    _, tables = _run(tmp_path, "sigkill")
+    (run,) = tables["sigkill"]["data"]["runs"]
+    assert 0 < run["exported"] <= run["handed"]

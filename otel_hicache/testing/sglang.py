@@ -69,13 +69,15 @@ def build_hicache(
     num_layers: int = 2,
     storage_metrics: Any = None,
     hybrid_swa: bool = False,
+    tp_group: Any = None,
 ) -> tuple[Any, Any, Any]:
     """A real UnifiedRadixCache with HiCache on a CPU (shims installed): (cache, device allocator, req_to_token_pool).
 
     ``metrics``: SGLang's own radix-cache collector, as ``--enable-metrics`` sets it. ``storage_metrics`` given: the
     cache also has SGLang's file L3 backend (``HiCacheFile``; call inside :func:`file_storage`) and reports to that
     StorageMetricsCollector. ``hybrid_swa``: a FULL + SWA hybrid cache (``HybridCacheController``, host pools ``kv``
-    and ``swa``)."""
+    and ``swa``). ``tp_group``: a CPU (gloo) process group of the tensor-parallel ranks, as the scheduler passes its
+    ``tp_cpu_group``: the cache agrees on completed acks across the ranks (see :func:`init_cpu_parallel`)."""
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
     from sglang.test.kits.unified_radix_cache.config import CacheConfig
@@ -97,11 +99,24 @@ def build_hicache(
             num_layers=num_layers,
             full_attention_layer_ids=tuple(range(num_layers)),
         )
-    cache, allocator, req_to_token_pool = build_fixture(cfg)
+    tp_size = 1
+    if tp_group is None:
+        cache, allocator, req_to_token_pool = build_fixture(cfg)
+    else:
+        import torch.distributed as dist
+        from sglang.srt.runtime_context import get_parallel
+
+        tp_size = dist.get_world_size(tp_group)
+        with get_parallel().override(tp_size=tp_size, attn_tp_size=tp_size, moe_tp_size=tp_size):  # kit: 1 rank
+            cache, allocator, req_to_token_pool = build_fixture(cfg)
+        cache.tp_group = cache.cache_init_params.tp_cache_group = tp_group
+        cache.attn_tp_group = cache.cache_init_params.attn_tp_cache_group = tp_group
+        cache.tp_world_size = tp_size
     cache.metrics_collector = metrics
     storage = storage_metrics is not None
     server_args = ServerArgs(
         model_path="dummy",
+        tp_size=tp_size,
         page_size=page_size,
         hicache_io_backend="direct",
         hicache_mem_layout="layer_first",
@@ -158,6 +173,50 @@ def file_storage(directory: Path) -> Iterator[FileStorage]:
         finally:
             for cache in storage.caches:
                 cache.cache_controller._stop_storage_threads()
+
+
+def make_request(tokens: list[int], rid: str, retracted: bool = False) -> Any:
+    """An SGLang ``Req`` for ``tokens`` (greedy, 4 new tokens), as the scheduler receives it."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(
+        rid=rid,
+        origin_input_text="",
+        origin_input_ids=array("q", tokens),
+        sampling_params=SamplingParams(temperature=0, max_new_tokens=4),
+    )
+    req.retracted_stain = retracted
+    return req
+
+
+def init_cpu_parallel(rank: int, world_size: int, init_method: str, **server_args: Any) -> Any:
+    """Make this process tensor-parallel rank ``rank`` of ``world_size`` as an SGLang scheduler process is: publish
+    the ranks (``run_scheduler_process``), join the WORLD over gloo and build SGLang's parallel groups. Returns the TP
+    group's CPU process group. CPU shim: the groups get no NCCL / custom all-reduce communicators (they need CUDA)."""
+    import sglang.srt.distributed.parallel_state as parallel_state
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    publish(
+        ServerArgs(model_path="dummy", tp_size=world_size, **server_args),
+        role="scheduler",
+        ranks=SpawnRanks(world_rank=rank, dp_rank=None),
+    )
+    build = parallel_state.init_model_parallel_group
+    cpu_only = {"use_pynccl": False, "use_custom_allreduce": False, "use_mscclpp": False,
+                "use_torch_symm_mem_allreduce": False}  # fmt: skip
+    parallel_state.init_model_parallel_group = lambda *a, **k: build(*a, **{**k, **cpu_only})
+    try:
+        parallel_state.init_distributed_environment(
+            backend="gloo", world_size=world_size, rank=rank, distributed_init_method=init_method, local_rank=rank
+        )
+        parallel_state.initialize_model_parallel(backend="gloo")
+    finally:
+        parallel_state.init_model_parallel_group = build
+    return get_parallel().tp_group.cpu_group
 
 
 def pump(cache: Any, done: Callable[[], bool], what: str, timeout: float = 10.0) -> None:

@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 
 from otel_hicache import semconv as sc
 from otel_hicache.testing.sdk import Sdk
-from otel_hicache.testing.sglang import FileStorage, build_hicache, pump
+from otel_hicache.testing.sglang import FileStorage, build_hicache, make_request, pump
 
 pytestmark = pytest.mark.sglang
 
@@ -97,20 +97,6 @@ def test_storage_backup_and_prefetch_match_sglang_counters_and_the_bytes_on_disk
 
 
 # ---------------------------------------------------------------------------------------------------------- prefill
-def _request(tokens: list[int], rid: str, retracted: bool = False) -> Any:
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    req = Req(
-        rid=rid,
-        origin_input_text="",
-        origin_input_ids=array("q", tokens),
-        sampling_params=SamplingParams(temperature=0, max_new_tokens=4),
-    )
-    req.retracted_stain = retracted
-    return req
-
-
 def _prefetch_on_arrival(cache: Any, req: Any) -> None:
     """What ``Scheduler._prefetch_kvcache`` does for a new request in cache mode (the Scheduler module itself needs
     the HTTP server stack to import): match, then ask L3 for the part no lower tier holds."""
@@ -166,10 +152,10 @@ def test_prefill_tokens_per_mode_equal_sglang_effective_prefill_counter(
 
     new = [7] * 5
     reqs = [
-        _request(on_device + new, "device"),
-        _request(on_host + new, "host"),
-        _request(in_l3 + new, "storage"),
-        _request(on_device + [8] * 3, "retracted", retracted=True),  # a re-count: neither input nor hits
+        make_request(on_device + new, "device"),
+        make_request(on_host + new, "host"),
+        make_request(in_l3 + new, "storage"),
+        make_request(on_device + [8] * 3, "retracted", retracted=True),  # a re-count: neither input nor hits
     ]
     for req in reqs:
         _prefetch_on_arrival(cache, req)

@@ -1,18 +1,19 @@
 """OpenTelemetry for SGLang HiCache (``sglang >= 0.5.23``), with no change to SGLang's code.
 
-Zero-code: the instrumentor is registered in the ``opentelemetry_instrumentor`` entry-point group, so::
+Zero-code, two routes (see the README, "Instrument SGLang"): the general plugin :func:`.plugin.load`, registered in
+SGLang's ``sglang.srt.plugins`` entry-point group, which ``load_plugins()`` runs first thing in every scheduler
+process::
 
-    opentelemetry-instrument python -m sglang.launch_server --enable-hierarchical-cache ...
+    OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317 python -m sglang.launch_server --enable-hierarchical-cache ...
 
-instruments every SGLang process (spawned scheduler processes inherit the auto-instrumentation).
-``opentelemetry-instrument`` only loads instrumentors; the SDK (providers and exporters from ``OTEL_*`` variables) is
-set up by a configurator, so install ``opentelemetry-distro`` next to it (``pip install opentelemetry-distro``; it
-defaults to OTLP, e.g. ``OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317``). Without a distro no SDK is configured and
-the telemetry goes to the no-op global providers. Spans still queued at interpreter exit are handed to the SDK before it
-shuts down. Auto-instrumenting a process without SGLang does nothing, silently. One line in code does the same::
+or the same instrumentor through the ``opentelemetry_instrumentor`` group (``opentelemetry-instrument python -m
+sglang.launch_server ...``). Either way each process builds its telemetry on its first HiCache event, from the
+``OTEL_*`` environment, with the ranks SGLang published for it on the Resource and the instruments counted in tokens
+reported by one rank per TP group only (:mod:`.plugin`); a process without HiCache builds and exports nothing.
+``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=sglang_hicache`` turns both routes off. In code, with your providers::
 
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
-    SGLangHiCacheInstrumentor().instrument()            # or (tracer_provider=..., meter_provider=...)
+    SGLangHiCacheInstrumentor().instrument(tracer_provider=..., meter_provider=...)  # or telemetry=...
 
 What is reported, all through :class:`~otel_hicache.telemetry.HiCacheTelemetry`:
 
@@ -25,6 +26,8 @@ SGLang method (wrapped)                   becomes
 ``loading_check``                         consumed ``HiCacheAck``: tokens per pool, bytes (one total; SGLang does not
                                           split bytes by pool), node count, copy time from the ack's own events when
                                           ``timing_enabled`` (none otherwise, e.g. on CPU)
+``DecodeKVCacheOffloadManager.``          the same (``hicache.backup``) for PD decode's device -> host offloads: the
+``_check_offload_progress``               manager consumes its own controller's write acks
 ``UnifiedRadixCache._record_dropped_      ``hicache.dropped.tokens{reason, pool="kv"}``
 tokens``
 ``UnifiedRadixCache._evict``              ``hicache.eviction.tokens`` / ``.duration`` (tier ``device``; passes that
@@ -34,6 +37,9 @@ tokens``
 ``HiCacheController._page_backup_or_log`` ``hicache.storage_backup`` (L2 -> L3, storage thread, host-clock timed)
 ``UnifiedRadixCache._handle_prefetch_     ``hicache.storage_prefetch`` (L3 -> L2, from the prefetch's issue to its
 result``                                  result)
+``UnifiedRadixCache.load_back`` (with     with SGLang's request tracing on: the request's scheduler span, which the
+``req``), ``checkpoint_into_tree`` /      ``hicache.load_back`` / ``hicache.backup`` spans of the transfers they start
+``advance_unpublished_req``               link to; ``_account_prefill_cache_admission`` puts the prefix split on it
 ``UnifiedRadixCache.init_hicache``        ``hicache.pool.usage`` / ``.limit`` of the host KV pool, read at collection
 ``HiCacheController.reset``               forgets acks the reset discarded
 ========================================  =============================================================================

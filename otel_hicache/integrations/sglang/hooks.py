@@ -19,8 +19,18 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from opentelemetry.trace import Span, SpanContext
+
 from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferRecord
-from otel_hicache.semconv import DEFAULT_POOL, DropReason, Tier, TimingSource, TransferOperation
+from otel_hicache.semconv import (
+    ATTR_PREFIX_TOKENS,
+    DEFAULT_POOL,
+    DropReason,
+    PrefillMode,
+    Tier,
+    TimingSource,
+    TransferOperation,
+)
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import ANCHOR, elapsed_seconds, now_ns
 
@@ -43,24 +53,34 @@ class _ControllerState:
     (FIFO, or all at once), so while the mirror holds, the acks a check consumed are simply its first
     ``len(mirror) - len(queue)`` entries: no copy of the queue and no identity set per check."""
 
-    __slots__ = ("load", "write")
+    __slots__ = ("links", "load", "write")
 
     def __init__(self) -> None:
         self.write: list[_Pending] = []
         self.load: list[_Pending] = []
+        self.links: dict[int, tuple[SpanContext, ...]] = {}  # ack id -> request spans it serves (tracing on)
 
 
 class HiCacheHooks:
-    """The wrapper callables (wrapt signature ``(wrapped, instance, args, kwargs)``) bound to one telemetry sink."""
+    """The wrapper callables (wrapt signature ``(wrapped, instance, args, kwargs)``) bound to one telemetry sink.
 
-    def __init__(self, telemetry: HiCacheTelemetry) -> None:
+    ``telemetry`` None: the sink is built by ``create()`` on the process's first HiCache event (``init_hicache``, a
+    consumed ack, a drop, an L3 transfer); evictions and prefill admissions are reported once it exists, so a process
+    that never runs HiCache builds nothing. A ``create()`` that fails is logged once and not retried.
+    """
+
+    def __init__(
+        self, telemetry: HiCacheTelemetry | None, create: Callable[[], HiCacheTelemetry] | None = None
+    ) -> None:
         self.telemetry = telemetry
+        self._create = create
         # Per-controller state lives on the controller itself (one attribute read per hook call); the weak
         # dictionary is only the fallback for a controller that takes no new attributes.
         self._attr = f"_otel_hicache_acks_{id(self):x}"
         self._states: weakref.WeakKeyDictionary[Any, _ControllerState] = weakref.WeakKeyDictionary()
         self._failed: set[str] = set()
         self._lock = threading.Lock()
+        self._admitted_input: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # per PrefillAdder
 
     # ------------------------------------------------------------------ failure rule
     def _fail(self, hook: str) -> None:
@@ -73,6 +93,20 @@ class HiCacheHooks:
             hook,
             exc_info=True,
         )
+
+    def _sink(self) -> HiCacheTelemetry | None:
+        """The telemetry, built now if this is the process's first HiCache event."""
+        telemetry = self.telemetry
+        if telemetry is not None or self._create is None:
+            return telemetry
+        with self._lock:
+            if self.telemetry is None and self._create is not None:
+                create, self._create = self._create, None
+                try:
+                    self.telemetry = create()
+                except Exception as exc:
+                    _log.warning("otel_hicache: SGLang HiCache is not reported in this process: %s", exc)
+        return self.telemetry
 
     def _state(self, controller: Any) -> _ControllerState:
         state = getattr(controller, self._attr, None)
@@ -126,8 +160,49 @@ class HiCacheHooks:
             state = self._state(instance)
             state.write.clear()
             state.load.clear()
+            state.links.clear()
         except Exception:
             self._fail("reset")
+        return result
+
+    # ------------------------------------------------------------------ request links (SGLang request tracing on)
+    def load_back(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``UnifiedRadixCache.load_back(node_id, mem_quota, req)``: the load backs it starts serve ``req``."""
+        req = args[2] if len(args) > 2 else kwargs.get("req")
+        return self._link_new_acks(wrapped, instance, args, kwargs, req, "ongoing_load_back", "load_back")
+
+    def checkpoint(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``UnifiedRadixCache.checkpoint_into_tree(req, ...)`` / ``advance_unpublished_req(req)``: the backups its
+        insert starts (write-through) carry ``req``'s tokens."""
+        req = args[0] if args else kwargs.get("req")
+        return self._link_new_acks(wrapped, instance, args, kwargs, req, "ongoing_write_through", "checkpoint")
+
+    def _link_new_acks(
+        self, wrapped: Callable[..., Any], cache: Any, args: tuple, kwargs: dict, req: Any, table: str, hook: str
+    ) -> Any:
+        """Remember ``req``'s span for every ack id ``wrapped`` adds to ``cache.<table>`` (its in-flight transfers by
+        ack id); the transfer span of the ack that completes them links to it. Nothing to do with tracing off."""
+        span = _request_span(req)
+        if span is None:
+            return wrapped(*args, **kwargs)
+        try:
+            ongoing = getattr(cache, table)
+            before = set(ongoing)
+        except Exception:
+            self._fail(hook)
+            return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        try:
+            new = ongoing.keys() - before
+            if new and cache.cache_controller is not None:
+                links = self._state(cache.cache_controller).links
+                context = span.get_span_context()
+                for ack_id in new:
+                    links[ack_id] = (*links.get(ack_id, ()), context)
+                while len(links) > MAX_PENDING:  # ack ids whose ack was never consumed (a reset we did not see)
+                    del links[next(iter(links))]
+        except Exception:
+            self._fail(hook)
         return result
 
     # ------------------------------------------------------------------ completion: UnifiedRadixCache
@@ -136,6 +211,13 @@ class HiCacheHooks:
 
     def loading_check(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         return self._check(wrapped, instance, args, kwargs, _LOAD)
+
+    def decode_offload_check(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``DecodeKVCacheOffloadManager._check_offload_progress(finish_count)``: PD decode's own consumer of its
+        controller's write acks (device -> host offloads), reported as backups like ``writing_check``'s."""
+        if (args[0] if args else kwargs.get("finish_count", 1)) == 0:
+            return wrapped(*args, **kwargs)  # the step with no completed offload consumes nothing: no bookkeeping
+        return self._check(wrapped, instance, args, kwargs, _WRITE)
 
     def _check(self, wrapped: Callable[..., Any], cache: Any, args: tuple, kwargs: dict, direction: str) -> Any:
         if not args and kwargs.get("finish_count", 1) == 0 and not kwargs.get("write_back"):
@@ -196,9 +278,16 @@ class HiCacheHooks:
         else:
             operation, policy = TransferOperation.LOAD_BACK, None
         io_backend = cc.io_backend or None
-        defer = self.telemetry.record_transfer_deferred
+        telemetry = self._sink()
+        if telemetry is None:
+            return
+        defer = telemetry.record_transfer_deferred
+        links = self._state(cc).links
         for ack, submit_ns, merged in done:
-            defer(_ack_record, (ack, submit_ns, done_ns, merged, operation, policy, io_backend))
+            served: tuple[SpanContext, ...] = ()
+            if links:  # request tracing on: the request spans this ack's transfers served
+                served = tuple(context for ack_id in ack.node_ids for context in links.pop(ack_id, ()))
+            defer(_ack_record, (ack, submit_ns, done_ns, merged, operation, policy, io_backend, served))
 
     # ------------------------------------------------------------------ eviction and drops: UnifiedRadixCache
     def evict(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -207,7 +296,7 @@ class HiCacheHooks:
         result = wrapped(*args, **kwargs)
         try:
             freed = result.num_tokens_evicted
-            if freed > 0:
+            if freed > 0 and self.telemetry is not None:
                 duration = time.perf_counter() - start
                 self.telemetry.record_eviction(
                     EvictionRecord(tier=Tier.DEVICE, num_tokens=freed, duration_s=duration, time_ns=now_ns())
@@ -220,8 +309,9 @@ class HiCacheHooks:
         result = wrapped(*args, **kwargs)
         try:
             tokens, reason = _drop_arguments(*args, **kwargs)
-            if tokens > 0:
-                self.telemetry.record_drop(
+            telemetry = self._sink() if tokens > 0 else None
+            if telemetry is not None:
+                telemetry.record_drop(
                     DropRecord(reason=reason, tokens_by_pool={DEFAULT_POOL: tokens}, time_ns=now_ns())
                 )
         except Exception:
@@ -233,7 +323,9 @@ class HiCacheHooks:
         """``_update_prefill_budget`` / ``_account_prefill_cache_admission``: the adder's counter deltas.
 
         SGLang's ``prefill_effective_tokens_total`` is built from the same counters (input minus retracted
-        re-counts, and the per-tier split of non-retracted requests), so the sums agree.
+        re-counts, and the per-tier split of non-retracted requests), so the sums agree. With SGLang's request
+        tracing on, ``_account_prefill_cache_admission(req, ...)`` also puts the split on ``req``'s span: its hits,
+        and the input tokens of the budget update SGLang makes for the same admission just before.
         """
         try:
             before = _prefill_counts(instance)
@@ -249,8 +341,16 @@ class HiCacheHooks:
                 host_hit=after[2] - before[2],
                 storage_hit=after[3] - before[3],
             )
-            if any(split):
-                self.telemetry.record_prefix_split(split)
+            span = None
+            if wrapped.__name__ == "_account_prefill_cache_admission":
+                span = _request_span(args[0] if args else kwargs.get("req"))
+            else:
+                self._admitted_input[instance] = split.input_tokens
+            if (any(split) or span is not None) and self.telemetry is not None:
+                self.telemetry.record_prefix_split(split, request_span=span)
+                if span is not None:
+                    span.set_attribute(f"{ATTR_PREFIX_TOKENS}.{PrefillMode.INPUT.value}",
+                                       self._admitted_input.pop(instance, 0))  # fmt: skip
         except Exception:
             self._fail("prefill_admission")
         return result
@@ -263,9 +363,10 @@ class HiCacheHooks:
         try:
             operation = args[0] if args else kwargs["operation"]
             tokens = operation.completed_tokens
-            if tokens > 0:
+            telemetry = self._sink() if tokens > 0 else None
+            if telemetry is not None:
                 duration = time.perf_counter() - start
-                self.telemetry.record_transfer(
+                telemetry.record_transfer(
                     TransferRecord(
                         operation=TransferOperation.STORAGE_BACKUP,
                         tokens_by_pool={DEFAULT_POOL: tokens},
@@ -293,9 +394,10 @@ class HiCacheHooks:
             return wrapped(*args, **kwargs)
         result = wrapped(*args, **kwargs)
         try:
-            if tokens > 0:
+            telemetry = self._sink() if tokens > 0 else None
+            if telemetry is not None:
                 cc = instance.cache_controller
-                self.telemetry.record_transfer(
+                telemetry.record_transfer(
                     TransferRecord(
                         operation=TransferOperation.STORAGE_PREFETCH,
                         tokens_by_pool={DEFAULT_POOL: tokens},
@@ -314,7 +416,9 @@ class HiCacheHooks:
         """After ``UnifiedRadixCache.init_hicache``: report the host KV pool's occupancy at each collection."""
         result = wrapped(*args, **kwargs)
         try:
-            self.telemetry.add_pool_usage_source(_HostPoolSource(instance, self.telemetry))
+            telemetry = self._sink()
+            if telemetry is not None:
+                telemetry.add_pool_usage_source(_HostPoolSource(instance, telemetry))
         except Exception:
             self._fail("init_hicache")
         return result
@@ -341,6 +445,19 @@ class _HostPoolSource:
         return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=total - pool.available_size(), limit=total)]
 
 
+def _request_span(req: Any) -> Span | None:
+    """The span SGLang's request tracing keeps for ``req`` in this (scheduler) process, or None with tracing off."""
+    try:
+        trace_ctx = req.time_stats.trace_ctx
+        if getattr(trace_ctx, "tracing_enable", False) is not True:  # TraceNullContext answers every attribute
+            return None
+        thread_context = trace_ctx.thread_context
+        span = None if thread_context is None else thread_context.thread_span
+        return span if span is not None and span.is_recording() else None
+    except Exception:  # not a traced SGLang request: no link
+        return None
+
+
 def _drop_arguments(dropped_tokens: int, reason: str) -> tuple[int, DropReason]:
     return int(dropped_tokens), DropReason(str(reason))
 
@@ -360,9 +477,9 @@ def _size_per_token(pool: Any) -> int:
     return size if isinstance(size, int) and size > 0 else 0
 
 
-def _ack_record(payload: tuple[Any, int | None, int, int, TransferOperation, str | None, str | None]) -> TransferRecord:
+def _ack_record(payload: tuple[Any, ...]) -> TransferRecord:
     """One consumed ``HiCacheAck`` as a transfer record (runs on the telemetry worker, off the scheduler thread)."""
-    ack, submit_ns, done_ns, merged, operation, policy, io_backend = payload
+    ack, submit_ns, done_ns, merged, operation, policy, io_backend, links = payload
     duration = None
     if ack.timing_enabled:  # the ack was consumed, so its finish event is complete: no sync here
         duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
@@ -378,4 +495,5 @@ def _ack_record(payload: tuple[Any, int | None, int, int, TransferOperation, str
         node_count=len(ack.node_ids),
         write_policy=policy,
         io_backend=io_backend,
+        links=links,
     )
