@@ -21,6 +21,7 @@ import math
 import mmap
 import os
 import struct
+import weakref
 from typing import Any
 
 from opentelemetry.trace import SpanContext, TraceFlags
@@ -69,6 +70,8 @@ class Channel:
         if shared and fd is None:
             fd = _anonymous_file(size)
         self.fd = fd
+        # The descriptor is closed exactly once: by release_fd()/close(), or when the channel is dropped.
+        self._close_fd = None if fd is None else weakref.finalize(self, os.close, fd)
         # Pages mapped in up front: no page fault on the hot path the first time a ring slot is written.
         populate = getattr(mmap, "MAP_POPULATE", 0)
         if fd is None:  # private: a forked child gets its own copy, never the parent's counts
@@ -86,19 +89,31 @@ class Channel:
         else:
             self.ints[MAGIC] = _MAGIC
 
+    def private_copy(self) -> Channel:
+        """A private channel with this one's header and counters and a one-slot ring: what a telemetry keeps
+        counting into once its shared memory is released."""
+        copy = Channel(self.layout, 1, shared=False)
+        copy.ints[: self.layout.end] = self.ints[: self.layout.end]
+        copy.ints[WRITE] = copy.ints[READ] = copy.ints[EXPORTER_PID] = 0
+        return copy
+
     def reset(self) -> None:
         """Everything back to zero: counters, gauges, an empty ring (a forked child's private copy)."""
         self.bytes[:] = bytes(len(self.bytes))
         self.ints[MAGIC] = _MAGIC
 
+    def release_fd(self) -> None:
+        """Close the descriptor, keep the mapping (needed only to start an exporter)."""
+        if self._close_fd is not None:
+            self._close_fd()
+        self.fd = None
+
     def close(self) -> None:
-        """Unmap (and close the descriptor); the memory lives on while the other side still maps it."""
+        """Unmap and close the descriptor; the memory lives on while the other side still maps it."""
         self.ints.release()
         self.bytes.release()
         self._map.close()
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self.release_fd()
 
     # ------------------------------------------------------------------ producer (host, under its lock)
     def _claim(self) -> int | None:
@@ -138,9 +153,8 @@ class Channel:
         for entry in entries:
             _POOL.pack_into(buf, at, *entry)
             at += _POOL.size
-        for link in links:
-            _LINK.pack_into(buf, at, link.trace_id.to_bytes(16, "big"), link.span_id.to_bytes(8, "big"),
-                            int(link.trace_flags), link.is_remote)  # fmt: skip
+        for trace_id, span_id, flags, remote in links:
+            _LINK.pack_into(buf, at, trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"), flags, remote)
             at += _LINK.size
         self.ints[WRITE] = write + 1
         return True

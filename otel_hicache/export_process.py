@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,7 @@ class ExportProcess:
         self._config = config
         self._env = dict(env)
         self._write_fd: int | None = None
+        self._close_write: weakref.finalize | None = None  # a dropped telemetry still ends its exporter
         self._spawner: threading.Thread | None = None
         self._warned = False
 
@@ -64,9 +65,31 @@ class ExportProcess:
     def start(self) -> None:
         """Open the pipe now and launch the exporter on a short-lived thread (the caller never waits for it)."""
         read_fd, self._write_fd = os.pipe()
+        self._close_write = weakref.finalize(self, os.close, self._write_fd)
         os.set_blocking(self._write_fd, False)
         self._spawner = threading.Thread(target=self._spawn, args=(read_fd,), name="otel-hicache-launch", daemon=True)
         self._spawner.start()
+
+    def revive(self) -> None:
+        """The ring is full: if the exporter died (killed, out of memory), start a new one on the same memory; it
+        carries on from the ring's read position and the exact counters. Logged once."""
+        spawner, pid = self._spawner, self._channel.ints[EXPORTER_PID]
+        if spawner is None or (pid == 0 and spawner.is_alive()):
+            return  # never started, or still starting
+        if pid:
+            try:
+                os.kill(pid, 0)
+                return  # alive, only behind
+            except PermissionError:
+                return
+            except ProcessLookupError:
+                pass
+        if not self._warned:
+            self._warned = True
+            _log.warning("otel_hicache: the export process is gone; starting a new one (lost spans are counted)")
+        self._channel.ints[EXPORTER_PID] = 0
+        self._end_pipe()
+        self.start()
 
     def drain(self, budget_ns: int) -> bool:
         return False  # the exporter drains the ring itself
@@ -80,12 +103,18 @@ class ExportProcess:
         return self._wait(lambda: ints[FLUSH_DONE] >= request, timeout_s)
 
     def close(self, timeout_s: float) -> bool:
-        """End of file on the pipe: the exporter exports the last window and exits; wait for that, bounded."""
-        if self._write_fd is not None:
-            os.close(self._write_fd)
-            self._write_fd = None
+        """End of file on the pipe: the exporter exports the last window and exits; wait for that, bounded. The
+        memory stays mapped here (later records still count) but its descriptor is released."""
+        self._end_pipe()
         ints = self._channel.ints
-        return self._wait(lambda: ints[EXPORTER_DONE] != 0, timeout_s)
+        done = self._wait(lambda: ints[EXPORTER_DONE] != 0, timeout_s)
+        self._channel.release_fd()
+        return done
+
+    def _end_pipe(self) -> None:
+        if self._close_write is not None:
+            self._close_write()  # closes the write end once, whoever calls first
+        self._write_fd = None
 
     def before_fork(self) -> bool:
         return False  # nothing of the export runs in this process
@@ -95,8 +124,7 @@ class ExportProcess:
 
     def after_fork_in_child(self, channel: Channel) -> ExportProcess:
         """The child gets its own exporter later; closing the inherited pipe end leaves the parent's running."""
-        if self._write_fd is not None:
-            os.close(self._write_fd)
+        self._end_pipe()
         config = dict(self._config)
         config["resource"] = child_resource(config["resource"])
         return ExportProcess(channel, config, self._env)
@@ -116,7 +144,7 @@ class ExportProcess:
             if time.monotonic() >= deadline:
                 if not self._warned and not self._channel.ints[EXPORTER_PID]:
                     self._warned = True
-                    _log.warning("otel_hicache: the export process has not started; records wait in its queue")
+                    _log.warning("otel_hicache: the export process has not attached yet; records wait in its queue")
                 return False
             time.sleep(0.002)
         return True
@@ -189,7 +217,6 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
     quiet_exporters()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # the container is going away: last export, then exit
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the host
     os.nice(EXPORTER_NICENESS)  # background work: on a busy host, the scheduler runs first
 
@@ -219,20 +246,35 @@ def main(argv: list[str]) -> None:
         tracer_provider.force_flush(timeout_ms)
         meter_provider.force_flush(timeout_ms)
 
+    poke = threading.Event()
+    deadline = threading.Timer(timeout_ms / 1000 + 0.5, os._exit, args=(0,))
+    deadline.daemon = True
+
+    def ending() -> None:
+        """The host is gone (or SIGTERM): from now on the process has ``final_timeout_s`` to live, even if the main
+        loop is stuck in an export to a dead collector."""
+        if not stop.is_set():
+            stop.set()
+            deadline.start()
+        poke.set()
+
+    def watch_host() -> None:
+        """Owns the pipe: a byte is a flush request; end of file means the host is gone."""
+        while os.read(read_fd, 4096):
+            poke.set()
+        ending()
+
+    signal.signal(signal.SIGTERM, lambda *_: ending())  # the container is going away: last export, then exit
+    threading.Thread(target=watch_host, name="otel-hicache-watch-host", daemon=True).start()
     while not stop.is_set():
-        ready, _, _ = select.select([read_fd], [], [], POLL_INTERVAL_S)
-        if ready and not os.read(read_fd, 4096):
-            break  # end of file: the host is gone
+        poke.wait(POLL_INTERVAL_S)
+        poke.clear()
         drain()
         request = ints[FLUSH_REQ]
-        if request > ints[FLUSH_DONE]:
+        if request > ints[FLUSH_DONE] and not stop.is_set():
             export_now()
             ints[FLUSH_DONE] = request
 
-    # The last window: bounded whatever the collector does (a watchdog ends the process at the deadline).
-    watchdog = threading.Timer(timeout_ms / 1000 + 0.5, os._exit, args=(0,))
-    watchdog.daemon = True
-    watchdog.start()
     try:
         export_now()
     finally:

@@ -42,7 +42,7 @@ from opentelemetry.trace import Span
 from otel_hicache import semconv as sc
 from otel_hicache import validation
 from otel_hicache.accumulation import Layout
-from otel_hicache.channel import HEADER_INTS, Channel
+from otel_hicache.channel import EXPORTER_PID, HEADER_INTS, Channel
 from otel_hicache.export import Emitter
 from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferFailure, TransferRecord
 from otel_hicache.semconv import Problem, RecordKind
@@ -75,6 +75,7 @@ class Consumer(Protocol):
     def before_fork(self) -> bool: ...  # hold what a forked child must not inherit mid-use; True if held
     def after_fork_in_parent(self, held: bool) -> None: ...
     def after_fork_in_child(self, channel: Channel) -> Consumer: ...
+    def revive(self) -> None: ...  # the ring is full: restart the consumer if it died
 
 
 class HiCacheTelemetry:
@@ -125,7 +126,8 @@ class HiCacheTelemetry:
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()  # the counter table and the ring's producer side
         self._wake = threading.Event()
-        self._channel = Channel(self._layout, max_queue, shared=consumer is not None)
+        self._shared = consumer is not None  # the export process maps the channel
+        self._channel = Channel(self._layout, max_queue, shared=self._shared)
         self._bind(self._channel)
         if consumer is None:
             before_collect = weakref.WeakMethod(self._before_collect)  # the provider must not keep us alive
@@ -136,6 +138,7 @@ class HiCacheTelemetry:
         else:
             self._consumer = consumer(self._channel)
         self._consumer_started = False
+        self._next_start_attempt = self._next_liveness_check = 0.0
         _LIVE.add(self)
 
     def _bind(self, channel: Channel) -> None:
@@ -167,25 +170,44 @@ class HiCacheTelemetry:
 
     def _count_transfer(self, t: validation.Transfer) -> None:
         op, tokens, num_bytes, by_pool, source, corrections = t[0], t[1], t[2], t[3], t[7], t[13]
-        ints, slots = self._ints, self._tokens_slot
+        slots, sizes = self._tokens_slot, self._size_slot
+        adds = [(slots[op, pool], n) for pool, n in tokens]
+        if by_pool is None:
+            adds.append((sizes[op, None, source], num_bytes))
+        else:
+            adds += [(sizes[op, pool, source], n) for pool, n in by_pool]
         with self._lock:
-            for pool, n in tokens:
-                ints[slots[op, pool]] += n
-            slots = self._size_slot
-            if by_pool is None:
-                ints[slots[op, None, source]] += num_bytes
+            if not self._apply(adds):
+                counted = False
             else:
-                for pool, n in by_pool:
-                    ints[slots[op, pool, source]] += n
-            queued = not self._closed and self._put(t)
-            if not queued:
-                ints[self._dropped_slot[(RecordKind.TRANSFER,)]] += 1
-            for problem in corrections:
-                ints[self._normalized_slot[RecordKind.TRANSFER, problem]] += 1
+                counted = True
+                queued = not self._closed and self._put(t)
+                ints = self._ints
+                if not queued:
+                    ints[self._dropped_slot[(RecordKind.TRANSFER,)]] += 1
+                for problem in corrections:
+                    ints[self._normalized_slot[RecordKind.TRANSFER, problem]] += 1
+        if not counted:
+            self._reject(RecordKind.TRANSFER, Problem.ABSURD_COUNT)
+            return
         if not self._consumer_started:
             self._start()
         if corrections or not queued:
             self._warn_transfer(corrections, queued)
+
+    def _apply(self, adds: list[tuple[int, int]]) -> bool:
+        """Add every ``(slot, n)`` or none (under the lock): a count past int64 leaves the table as it was."""
+        ints = self._ints
+        done = 0
+        try:
+            for slot, n in adds:
+                ints[slot] += n
+                done += 1
+        except ValueError:  # the int64 slot would overflow: not written
+            for slot, n in adds[:done]:
+                ints[slot] -= n
+            return False
+        return True
 
     def _put(self, t: validation.Transfer) -> bool:
         try:  # a slot is published only once whole: a failure leaves the ring as it was
@@ -197,7 +219,14 @@ class HiCacheTelemetry:
         for problem in corrections:
             self._warn_once(RecordKind.TRANSFER, problem, "record corrected and counted")
         if not queued:
-            self._warn_once(RecordKind.TRANSFER, "ring_full", "span queue full or telemetry shut down; spans dropped")
+            self._span_lost(RecordKind.TRANSFER)
+
+    def _span_lost(self, kind: RecordKind) -> None:
+        """A record counted but not queued for its span: say so once, and make sure a consumer is alive."""
+        self._warn_once(kind, "not_queued", "span queue full (or telemetry shut down); spans are dropped and counted")
+        if not self._closed and time.monotonic() >= self._next_liveness_check:
+            self._next_liveness_check = time.monotonic() + 1.0
+            self._consumer.revive()
 
     def record_transfer_deferred(self, build: Callable[[Any], TransferRecord], payload: Any) -> None:
         """Hand over the makings of a transfer record; ``build(payload)`` runs later, off the calling thread.
@@ -242,12 +271,22 @@ class HiCacheTelemetry:
             return
         tier, tokens, duration_s, time_ns = checked
         with self._lock:
-            self._ints[self._evicted_slot[(tier,)]] += tokens
-            queued = not self._closed and self._channel.put_eviction(tier, tokens, duration_s, time_ns)
-            if not queued:
-                self._ints[self._dropped_slot[(RecordKind.EVICTION,)]] += 1
+            if not self._apply([(self._evicted_slot[(tier,)], tokens)]):
+                queued = None
+            else:
+                try:
+                    queued = not self._closed and self._channel.put_eviction(tier, tokens, duration_s, time_ns)
+                except Exception:  # nothing published
+                    queued = False
+                if not queued:
+                    self._ints[self._dropped_slot[(RecordKind.EVICTION,)]] += 1
+        if queued is None:
+            self._reject(RecordKind.EVICTION, Problem.ABSURD_COUNT)
+            return
         if not self._consumer_started:
             self._start()
+        if not queued:
+            self._span_lost(RecordKind.EVICTION)
 
     def record_prefix_split(self, split: PrefixSplit, request_span: Span | None = None) -> None:
         """Count one admitted prefill by mode; put the split on ``request_span`` when given. Never raises."""
@@ -273,6 +312,11 @@ class HiCacheTelemetry:
             self._pool_sources.remove(source)
 
     # ------------------------------------------------------------------ reading and lifecycle
+    @property
+    def export_pid(self) -> int | None:
+        """The pid of the export process reading this telemetry's memory, once it attached (None in-process)."""
+        return int(self._channel.ints[EXPORTER_PID]) or None if self._shared else None
+
     def snapshot(self) -> dict[str, dict[tuple[Any, ...], int]]:
         """The cumulative counter values by metric name and attribute values (exact: deferred records counted)."""
         self._settle(SETTLE_TIMEOUT_S)
@@ -280,29 +324,54 @@ class HiCacheTelemetry:
             return self._channel.counters.snapshot()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Count deferred records, read the pool sources, and turn every queued record into spans and histogram
-        points (and, exporting from another process, export them). True if everything got through in time."""
+        """Count deferred records and turn every queued record into spans and histogram points (and, exporting from
+        another process, export them), within ``timeout_s``. True if everything got through in time. (Pool sources
+        are read by the host thread about once a second, and before each in-process collection.)"""
         deadline = time.monotonic() + timeout_s
         settled = self._settle(timeout_s)
-        self._read_pools()
         if not self._consumer_started:
             self._start()
+        if not self._consumer_started:
+            return False
         return self._consumer.flush(max(0.0, deadline - time.monotonic())) and settled
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Count what is queued, hand the last records to the consumer and stop, within ``timeout_s``. Recording
-        after shutdown still counts; spans are dropped and counted."""
+        """Count what is queued, hand the last records to the consumer and stop, within ``timeout_s``. A deferred
+        record still unbuilt at the end is counted as shed (``queue_full``). Recording after shutdown still counts;
+        spans are dropped and counted."""
         deadline = time.monotonic() + timeout_s
         self._settle(timeout_s / 2)
-        self._read_pools()
         self._closed = True
         self._wake.set()
         worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(max(0.0, deadline - time.monotonic()) / 2)
+        self._shed_deferred()
         if self._consumer_started:
             self._consumer.close(max(0.0, deadline - time.monotonic()))
+        if self._shared:
+            self._release_shared_memory()
         _LIVE.discard(self)
+
+    def _release_shared_memory(self) -> None:
+        """Keep counting (records after shutdown still count) in a private copy, and let the shared memory go."""
+        with self._lock:
+            old, self._channel = self._channel, self._channel.private_copy()
+            self._bind(self._channel)
+        old.close()
+
+    def _shed_deferred(self) -> None:
+        """Count every deferred record that will never be built (the host thread has stopped)."""
+        shed = 0
+        while True:
+            try:
+                self._deferred.popleft()
+            except IndexError:
+                break
+            shed += 1
+        if shed:
+            self._add([(self._rejected_slot[RecordKind.TRANSFER, Problem.QUEUE_FULL], shed)])
+            self._warn_once(RecordKind.TRANSFER, Problem.QUEUE_FULL, "deferred records not built before shutdown")
 
     # ------------------------------------------------------------------ internals
     def _checked(self, kind: RecordKind, check: Callable[..., _T], *args: Any) -> _T | None:
@@ -317,9 +386,7 @@ class HiCacheTelemetry:
 
     def _add(self, adds: list[tuple[int, int]]) -> None:
         with self._lock:
-            ints = self._ints
-            for slot, n in adds:
-                ints[slot] += n
+            self._apply(adds)
 
     def _reject(self, kind: RecordKind, problem: Problem) -> None:
         try:
@@ -335,11 +402,20 @@ class HiCacheTelemetry:
         _log.warning("otel_hicache: %s record: %s (%s). Further occurrences are only counted.", kind, message, problem)
 
     def _start(self) -> None:
+        """Start the consumer on first use; a failure (no file descriptors left, ...) is logged once and retried
+        at most once a second, never raised into the caller."""
+        now = time.monotonic()
         with self._lock:
-            if self._consumer_started:
+            if self._consumer_started or self._closed or now < self._next_start_attempt:
                 return
             self._consumer_started = True
-        self._consumer.start()
+        try:
+            self._consumer.start()
+        except Exception as exc:
+            self._consumer_started = False
+            self._next_start_attempt = now + 1.0
+            self._warn_once("export", "start_failed", f"the consumer could not start ({exc!r}); retrying")
+            return
         if isinstance(self._consumer, InProcessConsumer) and self._worker is None:
             self._start_worker()
 
@@ -347,30 +423,25 @@ class HiCacheTelemetry:
         with self._lock:
             if self._worker is not None or self._closed:
                 return
-            self._worker = threading.Thread(target=self._run, name="otel-hicache-host", daemon=True)
+            # The thread holds the telemetry weakly: a telemetry dropped without shutdown() is freed, thread and all.
+            self._worker = threading.Thread(target=_run, args=(weakref.ref(self), self._wake), daemon=True,
+                                            name="otel-hicache-host")  # fmt: skip
         self._worker.start()
 
-    def _run(self) -> None:
-        """The host thread: builds deferred records, reads pool sources, and (in-process) emits spans, each in
-        slices of at most SLICE_NS with a pause after each, so the scheduler thread never waits long for the GIL."""
-        next_pools = next_drain = 0.0
-        tick = min(self._interval_s, DEFERRED_TICK_S)
-        while not self._closed:
-            self._wake.wait(tick)
-            self._wake.clear()
-            busy = self._build_deferred(SLICE_NS)
-            now = time.monotonic()
-            if self._pool_sources and now >= next_pools:
-                next_pools = now + POOL_INTERVAL_S
-                self._read_pools()
-                busy = True
-            if self._consumer_started and (now >= next_drain or self._channel.pending() > self._max_queue // 2):
-                if not self._consumer.drain(SLICE_NS):
-                    next_drain = now + self._interval_s  # drained: back in one flush interval
-                busy = True
-            if busy:
-                time.sleep(PAUSE_S)
-                self._wake.set()  # more may be waiting: come back after the pause, not after a tick
+    def _work(self, state: dict[str, float]) -> bool:
+        """One round of the host thread: builds deferred records, reads pool sources, and (in-process) emits spans,
+        each in slices of at most SLICE_NS. True when more is waiting (the thread pauses, then comes back)."""
+        busy = self._build_deferred(SLICE_NS)
+        now = time.monotonic()
+        if self._pool_sources and now >= state["pools"]:
+            state["pools"] = now + POOL_INTERVAL_S
+            self._read_pools()
+            busy = True
+        if self._consumer_started and (now >= state["drain"] or self._channel.pending() > self._max_queue // 2):
+            if not self._consumer.drain(SLICE_NS):
+                state["drain"] = now + self._interval_s  # drained: back in one flush interval
+            busy = True
+        return busy
 
     def _build_deferred(self, budget_ns: int) -> bool:
         """Build and count deferred records, oldest first, for at most ``budget_ns``. True if some remain."""
@@ -458,7 +529,7 @@ class HiCacheTelemetry:
         self._building = False
         self._deferred.clear()
         self._consumer_started = False
-        if self._channel.fd is None:  # a private mapping: the child's own copy
+        if not self._shared:  # a private mapping: the child's own copy
             self._channel.reset()
         else:  # the parent's shared memory: never written by the child
             self._channel.close()
@@ -505,14 +576,21 @@ class InProcessConsumer:
             self._emit_lock.release()
 
     def flush(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
         if not self._emit_lock.acquire(timeout=timeout_s):
             return False
         try:
-            while records := self._channel.take(256):
+            while time.monotonic() < deadline:
+                records = self._channel.take(64)
+                if not records:
+                    return True
                 self._emit(records)
         finally:
             self._emit_lock.release()
-        return True
+        return not self._channel.pending()
+
+    def revive(self) -> None:
+        return None  # this process is alive by definition
 
     def close(self, timeout_s: float) -> bool:
         return self.flush(timeout_s)
@@ -538,6 +616,24 @@ class InProcessConsumer:
 
 def _nothing() -> None:
     return None
+
+
+def _run(ref: weakref.ref[HiCacheTelemetry], wake: threading.Event) -> None:
+    """The host thread's loop; it pauses PAUSE_S after a busy round so the scheduler thread gets the GIL back."""
+    state = {"pools": 0.0, "drain": 0.0}
+    busy, tick = False, DEFERRED_TICK_S
+    while True:
+        if busy:
+            time.sleep(PAUSE_S)
+        else:
+            wake.wait(tick)
+            wake.clear()
+        telemetry = ref()
+        if telemetry is None or telemetry._closed or telemetry._wake is not wake:  # gone, shut down, or forked
+            return
+        tick = min(telemetry._interval_s, DEFERRED_TICK_S)
+        busy = telemetry._work(state)
+        del telemetry
 
 
 # ---------------------------------------------------------------------- process-wide hooks (weak: no instance leaks)
@@ -566,9 +662,10 @@ def _after_fork_in_child() -> None:
 
 
 def _flush_at_exit() -> None:
-    """Count deferred records before the interpreter stops the host thread (bounded)."""
+    """Count deferred records before the interpreter stops the host thread: half a second in all, however many."""
+    deadline = time.monotonic() + 0.5
     for telemetry in list(_LIVE):
-        telemetry._settle(0.5)
+        telemetry._settle(max(0.0, deadline - time.monotonic()))
 
 
 if hasattr(os, "register_at_fork"):

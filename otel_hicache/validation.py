@@ -29,6 +29,9 @@ OPERATIONS: dict[str, TransferOperation] = {op.value: op for op in TransferOpera
 REASONS: dict[str, DropReason] = {r.value: r for r in DropReason}
 TIERS: dict[str, Tier] = {t.value: t for t in Tier}
 TIMING_SOURCES: dict[str, TimingSource] = {t.value: t for t in TimingSource}
+_ERRORS: dict[str, str] = {e: e for e in sc.TRANSFER_ERRORS}
+#: The largest timestamp a record may carry (epoch nanoseconds as int64).
+MAX_TIME_NS = (1 << 63) - 1
 
 
 #: The known pool names, each mapped to itself: lookups return our own string object.
@@ -41,6 +44,15 @@ class Rejected(Exception):
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem.value)
         self.problem = problem
+
+
+class Link(NamedTuple):
+    """A link to a request span, as plain values."""
+
+    trace_id: int
+    span_id: int
+    trace_flags: int
+    is_remote: bool
 
 
 class Transfer(NamedTuple):
@@ -58,7 +70,7 @@ class Transfer(NamedTuple):
     node_count: int
     write_policy: str | None
     io_backend: str | None
-    links: tuple[SpanContext, ...]
+    links: tuple[Link, ...]
     corrections: tuple[Problem, ...]  # what was normalized, each counted once for this record
 
 
@@ -142,13 +154,23 @@ def _label(value: Any, corrections: list[Problem]) -> str | None:
     return None
 
 
-def _ids_fit(context: SpanContext) -> bool:
-    """A valid span context whose ids fit W3C's 128 and 64 bits (what a link on the wire can carry)."""
-    trace_id, span_id = context.trace_id, context.span_id
-    return type(trace_id) is int and type(span_id) is int and 0 < trace_id < 1 << 128 and 0 < span_id < 1 << 64
+def _link(candidate: Any) -> Link | None:
+    """A span context read once into plain values, or None: a valid one whose ids fit W3C's 128 and 64 bits (what
+    a link on the wire can carry). Nothing of the producer's object is touched after this."""
+    if not isinstance(candidate, SpanContext):
+        return None
+    try:
+        trace_id, span_id = candidate.trace_id, candidate.span_id
+        if type(trace_id) is not int or type(span_id) is not int:
+            return None
+        if not (0 < trace_id < 1 << 128 and 0 < span_id < 1 << 64):
+            return None
+        return Link(trace_id, span_id, int(candidate.trace_flags) & 0xFF, bool(candidate.is_remote))
+    except Exception:
+        return None
 
 
-def _links(value: Any, corrections: list[Problem]) -> tuple[SpanContext, ...]:
+def _links(value: Any, corrections: list[Problem]) -> tuple[Link, ...]:
     if not value:
         return ()
     try:
@@ -156,7 +178,7 @@ def _links(value: Any, corrections: list[Problem]) -> tuple[SpanContext, ...]:
     except Exception:
         corrections.append(Problem.BAD_LINK)
         return ()
-    links = tuple(c for c in candidates if isinstance(c, SpanContext) and _ids_fit(c))
+    links = tuple(link for link in map(_link, candidates) if link is not None)
     if len(links) != len(candidates):
         corrections.append(Problem.BAD_LINK)
     if len(links) > sc.MAX_LINKS:
@@ -185,8 +207,8 @@ def transfer(record: Any, known: Pools) -> Transfer:
         pool_bytes = pool_counts(bytes_by_pool, known, MAX_BYTES, corrections)
         if sum(n for _, n in pool_bytes) != total_bytes:
             raise Rejected(Problem.BYTES_MISMATCH)
-    start = submit if type(submit) is int and submit >= 0 else count(submit, 1 << 63)
-    end = complete if type(complete) is int and complete >= start else count(complete, 1 << 63)
+    start = submit if type(submit) is int and 0 <= submit <= MAX_TIME_NS else count(submit, MAX_TIME_NS)
+    end = complete if type(complete) is int and start <= complete <= MAX_TIME_NS else count(complete, MAX_TIME_NS)
     if end < start:
         raise Rejected(Problem.END_BEFORE_START)
     try:
@@ -227,8 +249,7 @@ def failure(record: Any) -> tuple[TransferOperation, str]:
     op = OPERATIONS.get(record.operation) if isinstance(record.operation, str) else None
     if op is None:
         raise Rejected(Problem.UNKNOWN_OPERATION)
-    error = record.error_type
-    return op, (str(error) if isinstance(error, str) and error in sc.TRANSFER_ERRORS else sc.OTHER_ERROR)
+    return op, _ERRORS.get(record.error_type, sc.OTHER_ERROR)  # our own name, never the producer's object
 
 
 def drop(record: Any, known: Pools, corrections: list[Problem]) -> tuple[DropReason, list[tuple[str, int]]]:
@@ -247,7 +268,7 @@ def eviction(record: Any) -> tuple[Tier, int, float, int]:
     tier = TIERS.get(record.tier) if isinstance(record.tier, str) else None
     if tier is None:
         raise Rejected(Problem.UNKNOWN_TIER)
-    return tier, count(record.num_tokens), duration(record.duration_s), count(record.time_ns, 1 << 63)
+    return tier, count(record.num_tokens), duration(record.duration_s), count(record.time_ns, MAX_TIME_NS)
 
 
 def prefix_split(record: Any) -> dict[PrefillMode, int]:

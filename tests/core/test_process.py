@@ -250,3 +250,111 @@ def test_a_killed_host_still_delivers_everything_it_counted(sig: signal.Signals)
         # the export process saw the host go and exported the last window: every count, every span
         assert rx.wait_for(lambda: tokens_by_pid(rx) == {host.pid: 1500}, 30), tokens_by_pid(rx)
         assert rx.wait_for(lambda: spans_by_pid(rx) == {host.pid: 500}, 30)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_killed_export_process_is_replaced_and_nothing_goes_unaccounted() -> None:
+    with OtlpReceiver() as rx:
+        setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
+        telemetry = setup.telemetry
+        telemetry.record_transfer(record())
+        assert setup.telemetry.flush(30) and telemetry.export_pid is not None
+        first = telemetry.export_pid
+        os.kill(first, signal.SIGKILL)
+        n = 20_000  # far more than the ring holds while nobody reads it
+        for _ in range(n):
+            telemetry.record_transfer(record())
+        deadline = time.monotonic() + 60
+        while telemetry.export_pid in (None, first) and time.monotonic() < deadline:
+            telemetry.record_transfer(record())  # a full ring checks (once a second) that the exporter lives
+            n += 1
+            time.sleep(0.01)
+        assert telemetry.export_pid not in (None, first)
+        assert telemetry.flush(30)
+        dropped = telemetry.snapshot()[sc.METRIC_RECORDS_DROPPED].get(("transfer",), 0)
+        assert rx.wait_for(lambda: tokens_by_pid(rx).get(os.getpid()) == 3 * (n + 1), 30)  # counters exact
+        assert rx.wait_for(lambda: spans_by_pid(rx).get(os.getpid(), 0) + dropped == n + 1, 30)
+        setup.shutdown()
+
+
+def test_shutdown_releases_the_shared_memory_and_a_closed_telemetry_starts_nothing() -> None:
+    def memfds() -> int:
+        return sum("otel-hicache" in os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))  # fmt: skip
+
+    before = memfds()
+    with OtlpReceiver() as rx:
+        for _ in range(5):
+            setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
+            setup.telemetry.record_transfer(record())
+            setup.shutdown()
+        assert memfds() == before
+        setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
+        setup.shutdown()
+        setup.telemetry.record_transfer(record())  # after shutdown: counted, no export process started for it
+        time.sleep(1)
+        assert setup.telemetry.export_pid is None
+        assert setup.telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")] == 3
+
+
+FLUSH_THEN_EXIT = textwrap.dedent(
+    """
+    import sys
+    from otel_hicache import configure
+    from otel_hicache.records import TransferRecord
+    setup = configure(endpoint=sys.argv[1], protocol=sys.argv[2])
+    setup.telemetry.record_transfer(TransferRecord("backup", {"kv": 3}, 192, 10, 20, 0.001, "host_clock"))
+    setup.force_flush(timeout_s=1)  # the exporter is now stuck exporting to a collector that never answers
+    print(setup.telemetry.export_pid, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_an_export_process_stuck_on_a_black_hole_still_ends_soon_after_its_host(protocol: str, black_hole: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    host = subprocess.run([sys.executable, "-c", FLUSH_THEN_EXIT, black_hole, protocol], capture_output=True,
+                          text=True, env=env, timeout=60)  # fmt: skip
+    assert host.returncode == 0, host.stderr
+    exporter = int(host.stdout.split()[-1])
+    deadline = time.monotonic() + 15  # its last export gets 5 s, whatever the collector does (was 82 s)
+    while alive(exporter) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(exporter)
+
+
+def test_running_out_of_file_descriptors_at_the_first_record_never_raises_and_export_resumes() -> None:
+    script = textwrap.dedent(
+        """
+        import os, resource, sys
+        from otel_hicache import configure
+        from otel_hicache.records import TransferRecord
+        setup = configure(endpoint=sys.argv[1], protocol="grpc")
+        r = TransferRecord("backup", {"kv": 3}, 192, 10, 20, 0.001, "host_clock")
+        held = []
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        setup.telemetry.record_transfer(r)  # the export process cannot start now: no pipe to be had
+        for fd in held:
+            os.close(fd)
+        import time; time.sleep(1.1)
+        setup.telemetry.record_transfer(r)  # retried: starts now
+        print(setup.telemetry.flush(30), flush=True)
+        """
+    )
+    with OtlpReceiver() as rx:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        host = subprocess.run([sys.executable, "-c", script, rx.grpc_endpoint], capture_output=True, text=True,
+                              env=env, timeout=60)  # fmt: skip
+        assert host.returncode == 0 and host.stdout.strip() == "True", host.stderr
+        assert rx.wait_for(lambda: list(tokens_by_pid(rx).values()) == [6], 30)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache.records import PoolUsage, TransferRecord
+from otel_hicache.records import EvictionRecord, PoolUsage, TransferFailure, TransferRecord
 from otel_hicache.semconv import Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.testing.sdk import Sdk, make_sdk
@@ -220,3 +221,101 @@ def test_a_link_whose_ids_do_not_fit_the_wire_is_left_out(sdk: Sdk) -> None:
     (span,) = sdk.spans()
     assert span.links == () or list(span.links) == []
     assert sdk.telemetry.snapshot()[sc.METRIC_RECORDS_NORMALIZED][("transfer", "bad_link")] == 1
+
+
+def test_a_link_whose_properties_call_back_into_the_telemetry_cannot_deadlock_it(sdk: Sdk) -> None:
+    class Reentrant(SpanContext):
+        @property
+        def trace_flags(self) -> TraceFlags:  # type: ignore[override]
+            sdk.telemetry.record_failure(TransferFailure(TransferOperation.BACKUP, "host_pool_full", {"kv": 1}, T0))
+            return TraceFlags(TraceFlags.SAMPLED)
+
+    link = Reentrant(0xABC, 0xDEF, is_remote=True)
+    caller = threading.Thread(target=sdk.telemetry.record_transfer, args=(backup({"kv": 2}, links=(link,)),))
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive(), "a link read under the telemetry's lock deadlocked it"
+    assert kv(sdk) == 2 and [lk.context.span_id for lk in sdk.spans()[0].links] == [0xDEF]
+
+
+def test_an_error_type_object_that_lies_about_itself_is_counted_under_our_own_name(sdk: Sdk) -> None:
+    class Liar(str):
+        def __str__(self) -> str:
+            return "zzz"
+
+    sdk.telemetry.record_failure(TransferFailure(TransferOperation.BACKUP, Liar("host_pool_full"), {"kv": 1}, T0))
+    assert sdk.telemetry.snapshot()[sc.METRIC_TRANSFER_FAILURES] == {("backup", "host_pool_full"): 1}
+
+
+def test_a_timestamp_past_int64_is_refused_whole(sdk: Sdk) -> None:
+    sdk.telemetry.record_eviction(EvictionRecord(Tier.DEVICE, 5, 0.001, 1 << 63))
+    sdk.telemetry.record_transfer(backup({"kv": 5}, submit_time_ns=1 << 64, complete_time_ns=1 << 64))
+    snap = sdk.telemetry.snapshot()
+    assert snap[sc.METRIC_EVICTION_TOKENS][("device",)] == 0 and kv(sdk) == 0
+    assert snap[sc.METRIC_RECORDS_REJECTED] == {("eviction", "absurd_count"): 1, ("transfer", "absurd_count"): 1}
+
+
+def test_a_counter_that_would_pass_int64_refuses_the_record_whole_instead_of_raising(sdk: Sdk) -> None:
+    huge = 1 << 50  # the largest byte count a record may carry
+    for _ in range(8191):
+        sdk.telemetry.record_transfer(backup({"kv": 1}, huge))
+    sdk.telemetry.record_transfer(backup({"kv": 1}, huge))  # the 8192nd would pass 2**63 - 1
+    snap = sdk.telemetry.snapshot()
+    assert kv(sdk) == 8191  # counted whole or not at all: its tokens are not in either
+    assert snap[sc.METRIC_TRANSFER_SIZE][("backup", None, "host_clock")] == 8191 * huge
+    assert snap[sc.METRIC_RECORDS_REJECTED] == {("transfer", "absurd_count"): 1}
+
+
+def test_a_dropped_telemetry_with_a_running_host_thread_is_freed() -> None:
+    def hosts() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "otel-hicache-host"]
+
+    before = len(hosts())  # other tests' telemetries may still be alive
+    refs = []
+    for _ in range(5):
+        telemetry = HiCacheTelemetry(spans=False)
+        telemetry.record_transfer_deferred(lambda _: backup({"kv": 1}), None)  # starts the host thread
+        telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.HOST, "kv", 1, 2)])
+        assert telemetry.flush(5)
+        refs.append(weakref.ref(telemetry))
+        del telemetry
+    deadline = time.monotonic() + 5
+    while (any(r() is not None for r in refs) or len(hosts()) > before) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert [r for r in refs if r() is not None] == []
+    assert len(hosts()) <= before  # each host thread ended with its telemetry
+
+
+def test_a_slow_pool_source_or_span_processor_never_stretches_flush_or_shutdown_past_their_timeout() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    class Slow(InMemorySpanExporter):
+        def export(self, spans: Any) -> Any:
+            time.sleep(0.01)
+            return super().export(spans)
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(Slow()))
+    telemetry = HiCacheTelemetry(provider, flush_interval_s=3600)
+    telemetry.add_pool_usage_source(lambda: time.sleep(10) or [])
+    for _ in range(500):
+        telemetry.record_transfer(backup({"kv": 1}))
+    start = time.monotonic()
+    assert not telemetry.flush(1.0)  # 500 spans at 10 ms each do not fit in a second
+    telemetry.shutdown(1.0)
+    assert time.monotonic() - start < 4
+
+
+def test_deferred_records_left_at_shutdown_are_counted_as_shed(sdk: Sdk) -> None:
+    release = threading.Event()
+    sdk.telemetry.record_transfer_deferred(lambda _: release.wait(30) and backup({"kv": 1}), None)
+    time.sleep(0.1)  # the host thread is inside the hung build
+    for _ in range(10):
+        sdk.telemetry.record_transfer_deferred(lambda _: backup({"kv": 1}), None)
+    sdk.telemetry.shutdown(1.0)
+    release.set()
+    shed = sdk.telemetry.snapshot()[sc.METRIC_RECORDS_REJECTED].get(("transfer", "queue_full"), 0)
+    assert shed == 10  # none of them unaccounted
