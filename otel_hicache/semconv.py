@@ -154,6 +154,17 @@ ATTR_PREFIX_TOKENS: Final = "hicache.prefix.tokens"  # per mode on request spans
 RESOURCE_TP_RANK: Final = "hicache.rank.tp"
 RESOURCE_PP_RANK: Final = "hicache.rank.pp"
 RESOURCE_DP_RANK: Final = "hicache.rank.dp"
+#: Which engine produced the telemetry (a Resource attribute, so one dashboard and one set of rules serve every engine).
+RESOURCE_ENGINE: Final = "hicache.engine"
+
+
+class Engine(_StrEnum):
+    """Values of :data:`RESOURCE_ENGINE`, set by each adapter through ``configure(resource_attributes=...)``."""
+
+    SGLANG = "sglang"
+    VLLM = "vllm"
+    REFERENCE = "reference"  # otel_hicache's own reference cache (otel_hicache.cache, the CLI demo)
+
 
 # self-telemetry attributes
 ATTR_RECORD_KIND: Final = "otel_hicache.record.kind"
