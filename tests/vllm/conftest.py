@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from otel_hicache.testing.sdk import Sdk, make_sdk
+from tests.pipeline.conftest import prometheus  # noqa: F401  (the session's real Prometheus, for the e2e test)
 
 # vLLM (and libraries it imports) report usage over the network unless told not to.
 for _name, _value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("LMCACHE_TRACK_USAGE", "false")):

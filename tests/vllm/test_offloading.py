@@ -111,3 +111,9 @@ def test_uninstrument_restores_vllms_classes(instrumented: Sdk) -> None:
     support.run_workload(engine)
     assert instrumented.spans() == []
     VLLMOffloadInstrumentor().instrument(telemetry=instrumented.telemetry)  # the fixture uninstruments
+
+
+def test_chunks_vllms_manager_evicts_are_host_tier_evictions_in_tokens(instrumented: Sdk) -> None:
+    engine = support.engine(cpu_chunks=8)
+    support.run_workload(engine)  # the third store (5 chunks) finds 4 free: vLLM's LRU policy evicts one chunk
+    assert instrumented.counters()["hicache.eviction.tokens"][("host",)] == 1 * support.BLOCK_SIZE

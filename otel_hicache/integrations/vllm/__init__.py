@@ -29,14 +29,17 @@ with ``DirectionalTransferStats.record`` and  (``CPU_to_GPU``) span and transfer
 (``vllm:kv_offload_allocation_failure``)      per failed CPU-tier allocation
 ``CPUOffloadingSpec.get_manager``             ``hicache.pool.usage`` / ``.limit`` of tier ``host``: chunks holding KV
                                               (cached or in flight) and capacity, x tokens per chunk
+``CPUOffloadingManager.prepare_store``        ``hicache.eviction.tokens`` / ``.duration`` of tier ``host``: chunks the
+                                              call evicted (``evicted_keys``) x tokens per chunk, host-clock timed
 ============================================  ========================================================================
 
 Process topology: transfers finish in the worker processes (one per GPU); the scheduler (engine core) only sees
 their sums a step later, so the records are taken on the worker side, per rank, with ``hicache.rank.tp`` /
 ``.pp`` / ``.dp`` on the Resource. Token flows are logical (every rank of a TP x PP group moves the same tokens), so
 only worker rank 0 reports the instruments counted in tokens (``token_metrics=False`` on the others); bytes, time and
-spans are per rank, and their sum over ranks is vLLM's own (vLLM adds up its workers' stats). Allocation failures
-and the CPU tier's occupancy are scheduler-side. Every process sets the Resource attribute ``hicache.engine=vllm``.
+spans are per rank, and their sum over ranks is vLLM's own (vLLM adds up its workers' stats). Allocation failures,
+the CPU tier's occupancy and its evictions are scheduler-side. Every process sets the Resource attribute
+``hicache.engine=vllm``.
 
 Not reported: vLLM's lookup delays (``vllm:kv_offload_lookup_*_delay_seconds``: a scheduler latency, no transfer)
 and per-tier prefix hits (vLLM's connector reports external hits as a token count per lookup, which it may repeat

@@ -5,8 +5,8 @@ Worker side (one process per GPU worker): a transfer is noted when vLLM's ``Offl
 wrapper sees each result exactly where vLLM counts it, as the ``DirectionalTransferStats.record(bytes, time)`` call
 (vLLM's own ``vllm:kv_offload_*`` bytes and time) followed by ``OffloadingWorkerMetadata.mark_completed(job_id)``.
 Scheduler side (the engine-core process): ``OffloadingConnectorStats.increase_counter`` of the allocation-failure
-counter, and the CPU tier's occupancy read from the ``CPUOffloadingManager`` that ``CPUOffloadingSpec.get_manager``
-built.
+counter, and the CPU tier's occupancy and evictions, from the ``CPUOffloadingManager`` that
+``CPUOffloadingSpec.get_manager`` built.
 
 Failure rule: if a wrapper's own code fails it logs once per hook and vLLM's call goes on untouched; an exception
 raised by vLLM's method propagates exactly as without instrumentation. Nothing here synchronises a device: the
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE
-from otel_hicache.records import PoolUsage, TransferFailure, TransferRecord
+from otel_hicache.records import EvictionRecord, PoolUsage, TransferFailure, TransferRecord
 from otel_hicache.semconv import DEFAULT_POOL, Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import now_ns
@@ -81,7 +82,8 @@ class OffloadHooks:
         self._attr = f"_otel_hicache_jobs_{id(self):x}"
         self._failed: set[str] = set()
         self._finishing = threading.local()  # the events of the get_finished call running on this thread
-        self._managers: weakref.WeakSet[Any] = weakref.WeakSet()
+        # CPU-tier managers built by CPUOffloadingSpec.get_manager: their sink and tokens per chunk
+        self._managers: weakref.WeakKeyDictionary[Any, tuple[HiCacheTelemetry, int]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def _fail(self, hook: str) -> None:
@@ -232,16 +234,33 @@ class OffloadHooks:
         try:
             with self._lock:
                 new = manager not in self._managers
-                self._managers.add(manager)
-            if new:
-                sink = self.sinks.for_spec(instance)
-                if sink is not None:
-                    config = instance.config
-                    tokens_per_chunk = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
-                    sink.add_pool_usage_source(_CpuTierSource(manager, tokens_per_chunk, sink))
+            sink = self.sinks.for_spec(instance) if new else None
+            if sink is not None:
+                config = instance.config
+                tokens_per_chunk = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
+                with self._lock:
+                    self._managers[manager] = (sink, tokens_per_chunk)
+                sink.add_pool_usage_source(_CpuTierSource(manager, tokens_per_chunk, sink))
         except Exception:
             self._fail("get_manager")
         return manager
+
+    def prepare_store(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``CPUOffloadingManager.prepare_store``: chunks it evicted to make room are an eviction pass on the CPU
+        tier, timed on the host around the call."""
+        start = time.perf_counter()
+        result = wrapped(*args, **kwargs)
+        try:
+            evicted = len(result.evicted_keys) if result is not None else 0
+            known = self._managers.get(instance) if evicted else None
+            if known is not None:
+                sink, tokens_per_chunk = known
+                sink.record_eviction(
+                    EvictionRecord(Tier.HOST, evicted * tokens_per_chunk, time.perf_counter() - start, now_ns())
+                )
+        except Exception:
+            self._fail("prepare_store")
+        return result
 
 
 def _record(entry: _Pending, measured: tuple[int, float] | None, done_ns: int, timing: TimingSource) -> TransferRecord:

@@ -23,6 +23,7 @@ _WORKER = f"{_OFFLOADING}.worker"
 _COMMON = f"{_OFFLOADING}.common"
 _METRICS = f"{_OFFLOADING}.metrics"
 _CPU_SPEC = "vllm.v1.kv_offload.cpu.spec"
+_CPU_MANAGER = "vllm.v1.kv_offload.cpu.manager"
 
 #: Every patch, in one table: (target, name of the :class:`OffloadHooks` method that wraps it).
 _TARGETS: Final[tuple[tuple[Target, str], ...]] = (
@@ -34,11 +35,13 @@ _TARGETS: Final[tuple[tuple[Target, str], ...]] = (
     (Target(_COMMON, "OffloadingWorkerMetadata", "mark_completed"), "mark_completed"),
     (Target(_METRICS, "OffloadingConnectorStats", "increase_counter"), "increase_counter"),
     (Target(_CPU_SPEC, "CPUOffloadingSpec", "get_manager"), "get_manager"),
+    (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_store"), "prepare_store"),
 )
 
 
 class VLLMOffloadInstrumentor(EngineInstrumentor):
-    """Spans and metrics for vLLM's KV offloading: transfers, allocation failures and the CPU tier's occupancy.
+    """Spans and metrics for vLLM's KV offloading: transfers, allocation failures, the CPU tier's occupancy and
+    evictions.
 
     ``instrument(**kwargs)`` accepts:
 
