@@ -97,9 +97,13 @@ def _wait_for_data(prometheus: Prometheus, process: subprocess.Popen[str], timeo
     pytest.fail("Prometheus never stored enough scrapes of the vLLM app")
 
 
-def test_the_engine_is_on_every_series_through_target_info(live_vllm: Prometheus) -> None:
-    (info,) = live_vllm.query('target_info{hicache_engine="vllm"}')
-    assert info["metric"]["job"]
+def test_per_engine_views_join_the_engine_from_target_info(live_vllm: Prometheus) -> None:
+    """The README's per-engine query: bytes moved per engine."""
+    (sample,) = live_vllm.query(
+        "sum by (hicache_engine) (rate(hicache_transfer_size_bytes_total[5m]) * on (job, instance) "
+        "group_left (hicache_engine) target_info)"
+    )
+    assert sample["metric"] == {"hicache_engine": "vllm"} and float(sample["value"][1]) > 0
 
 
 @pytest.mark.parametrize("name", sorted(set(RULE_LABELS) - NOT_FROM_VLLM_RULES))
