@@ -163,17 +163,22 @@ class Engine:
         assert self.scheduler.connector_scheduler is not None
         return self.scheduler.connector_scheduler.manager
 
-    def store(self, request: str, gpu_blocks: list[int]) -> list[Any] | None:
+    def store(self, request: str, gpu_blocks: list[int], flush: bool = False) -> list[Any] | None:
         """Offload ``gpu_blocks`` of ``request`` to the CPU tier (vLLM's manager picks the chunks); ``None`` when
-        the manager has no room. Returns the keys stored."""
+        the manager has no room. Returns the keys stored. ``flush``: the scheduler flushes the store at once (as
+        for a preempted request: ``jobs_to_flush``) instead of deferring it to the next step."""
         keys = [make_offload_key(f"{request}:{b}".encode(), 0) for b in gpu_blocks]
         context = ReqContext(req_id=request)
         out = self.manager.prepare_store(keys, context)
         if out is None:
             return None
         gpu = GPULoadStoreSpec(gpu_blocks, group_sizes=[len(gpu_blocks)], block_indices=[0])
-        self._step(store_jobs={self._job(): TransferJob(request, gpu, out.store_spec)})
-        self._step()  # stores are submitted at the start of the next step
+        job = self._job()
+        if flush:
+            self._step(store_jobs={job: TransferJob(request, gpu, out.store_spec)}, flush={job})
+        else:
+            self._step(store_jobs={job: TransferJob(request, gpu, out.store_spec)})
+            self._step()  # stores are submitted at the start of the next step
         self.manager.complete_store(keys, context)
         return keys
 
@@ -188,10 +193,17 @@ class Engine:
         self.next_job += 1
         return self.next_job - 1
 
-    def _step(self, load_jobs: dict[int, TransferJob] | None = None, store_jobs: dict[int, TransferJob] | None = None):
+    def _step(
+        self,
+        load_jobs: dict[int, TransferJob] | None = None,
+        store_jobs: dict[int, TransferJob] | None = None,
+        flush: set[int] | None = None,
+    ) -> None:
         worker = self.worker.connector_worker
         assert worker is not None
-        metadata = OffloadingConnectorMetadata(load_jobs=load_jobs or {}, store_jobs=store_jobs or {})
+        metadata = OffloadingConnectorMetadata(
+            load_jobs=load_jobs or {}, store_jobs=store_jobs or {}, jobs_to_flush=flush
+        )
         worker.handle_preemptions(metadata)
         worker.start_kv_transfers(metadata)
         worker.prepare_store_kv(metadata)

@@ -117,3 +117,14 @@ def test_chunks_vllms_manager_evicts_are_host_tier_evictions_in_tokens(instrumen
     engine = support.engine(cpu_chunks=8)
     support.run_workload(engine)  # the third store (5 chunks) finds 4 free: vLLM's LRU policy evicts one chunk
     assert instrumented.counters()["hicache.eviction.tokens"][("host",)] == 1 * support.BLOCK_SIZE
+
+
+def test_a_store_flushed_at_preemption_is_one_transfer_as_vllm_counts_it(instrumented: Sdk) -> None:
+    engine = support.engine()
+    assert engine.store("a", [0, 1], flush=True)  # submitted and waited for by handle_preemptions
+    assert engine.store("b", [2])
+    vllm = engine.vllm_stats()
+    backups = instrumented.spans("hicache.backup")
+    assert [s.attributes["hicache.transfer.nodes"] for s in backups] == [2, 1]
+    assert sum(s.attributes["hicache.transfer.bytes"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
+    assert len(backups) == vllm["vllm:kv_offload_store_size_count"]
