@@ -128,3 +128,38 @@ def test_a_store_flushed_at_preemption_is_one_transfer_as_vllm_counts_it(instrum
     assert [s.attributes["hicache.transfer.nodes"] for s in backups] == [2, 1]
     assert sum(s.attributes["hicache.transfer.bytes"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
     assert len(backups) == vllm["vllm:kv_offload_store_size_count"]
+
+
+@pytest.mark.parametrize(("rank", "reports_tokens"), [(0, True), (1, False)])
+def test_instrumented_with_providers_one_tensor_parallel_rank_reports_tokens(rank: int, reports_tokens: bool) -> None:
+    """The telemetry is built at the first record, when the worker's rank is known: bytes on every rank, tokens on
+    rank 0 only (they are the same logical tokens on every rank)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from otel_hicache.integrations.vllm import VLLMOffloadInstrumentor
+    from otel_hicache.sdk import views
+
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader], views=views())
+    instrumentor = VLLMOffloadInstrumentor()
+    instrumentor.instrument(tracer_provider=TracerProvider(), meter_provider=meter_provider)
+    try:
+        engine = support.engine(rank=rank, tp=2)
+        support.run_workload(engine)
+        vllm = engine.vllm_stats()
+        assert instrumentor.telemetry is not None
+        instrumentor.telemetry.flush()
+        data = reader.get_metrics_data()
+        metrics = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+        stored = sum(
+            p.value for p in metrics["hicache.transfer.size"].data.data_points
+            if p.attributes["hicache.operation"] == "backup"
+        )  # fmt: skip
+        assert stored == vllm["vllm:kv_offload_store_bytes"] > 0
+        assert ("hicache.transfer.tokens" in metrics) is reports_tokens
+    finally:
+        instrumentor.uninstrument()
+        instrumentor.telemetry.shutdown()  # type: ignore[union-attr]
+        meter_provider.shutdown()
