@@ -29,7 +29,8 @@ Time a copy the way SGLang does, on the device where CUDA is present, without sy
     True
 
 Instrument SGLang with no code change: ``opentelemetry-instrument python -m sglang.launch_server
---enable-hierarchical-cache ...`` (see :mod:`otel_hicache.integrations.sglang`).
+--enable-hierarchical-cache ...`` (see :mod:`otel_hicache.integrations.sglang`). vLLM's KV offloading needs not even
+that: vLLM loads this package's ``vllm.general_plugins`` entry point itself (see :mod:`otel_hicache.integrations.vllm`).
 
 Modules: :mod:`~otel_hicache.semconv` (every engine-neutral name), :mod:`~otel_hicache.timing`,
 :mod:`~otel_hicache.records`, :mod:`~otel_hicache.telemetry`, :mod:`~otel_hicache.sdk`;

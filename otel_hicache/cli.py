@@ -161,6 +161,7 @@ def demo(
         prometheus_port=prometheus_port,
         prometheus_host=prometheus_host,
         pools=tuple(p.name for p in DEMO_POOLS),  # pre-seeded at 0 so every series exists from the first scrape
+        resource_attributes={sc.RESOURCE_ENGINE: sc.Engine.REFERENCE.value},
     )
     try:
         validate(os.environ, **arguments)  # before the OTel SDK is imported: it reads some variables on import

@@ -157,6 +157,17 @@ RESOURCE_DP_RANK: Final = "hicache.rank.dp"
 #: The rank inside the attention tensor-parallel group (SGLang's ``attn_tp_rank``; equals the TP rank without attention
 #: data or context parallelism).
 RESOURCE_ATTN_TP_RANK: Final = "hicache.rank.attn_tp"
+#: Which engine produced the telemetry (a Resource attribute, so one dashboard and one set of rules serve every engine).
+RESOURCE_ENGINE: Final = "hicache.engine"
+
+
+class Engine(_StrEnum):
+    """Values of :data:`RESOURCE_ENGINE`, set by each adapter through ``configure(resource_attributes=...)``."""
+
+    SGLANG = "sglang"
+    VLLM = "vllm"
+    REFERENCE = "reference"  # otel_hicache's own reference cache (otel_hicache.cache, the CLI demo)
+
 
 # self-telemetry attributes
 ATTR_RECORD_KIND: Final = "otel_hicache.record.kind"

@@ -2,9 +2,10 @@
 # The test command: installs what the tests need (idempotent), then runs lint and every test suite.
 #   - .venv        the project + test extras (scripts/setup.sh)
 #   - .venv-sglang the real SGLang 0.5.23 HiCache classes on CPU (scripts/setup-sglang-venv.sh)
+#   - .venv-vllm   the real vLLM 0.32 KV offloading connector on CPU (scripts/setup-vllm-venv.sh, ~3.5 GB, ~2.5 min)
 #   - prometheus + promtool from Debian (apt-get, when missing)
 # Lint (ruff), types (mypy), then the tests (doctests of every module included).
-# Set SKIP_SGLANG=1 to skip the SGLang suite (and its ~6 GB venv).
+# Set SKIP_SGLANG=1 to skip the SGLang suite (and its ~6 GB venv), SKIP_VLLM=1 the vLLM suite (and its venv).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -21,17 +22,26 @@ bash scripts/setup.sh || { echo "test.sh: scripts/setup.sh failed" >&2; exit 1; 
 if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
   bash scripts/setup-sglang-venv.sh || { echo "test.sh: scripts/setup-sglang-venv.sh failed" >&2; exit 1; }
 fi
+if [[ "${SKIP_VLLM:-0}" != 1 ]]; then
+  bash scripts/setup-vllm-venv.sh || { echo "test.sh: scripts/setup-vllm-venv.sh failed" >&2; exit 1; }
+fi
 
 status=0
 .venv/bin/ruff check . || status=1
 .venv/bin/ruff format --check . || status=1
 .venv/bin/mypy || status=1  # otel_hicache and benchmarks, configured in pyproject.toml
 
-.venv/bin/python -m pytest -p no:cacheprovider -m "not sglang" "$@"
+.venv/bin/python -m pytest -p no:cacheprovider -m "not sglang and not vllm" "$@"
 rc=$?; [[ $rc -eq 0 ]] || status=$rc
 
 if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
   .venv-sglang/bin/python -m pytest -p no:cacheprovider -m sglang tests/sglang "$@"
+  rc=$?; [[ $rc -eq 0 || $rc -eq 5 ]] || status=$rc
+fi
+if [[ "${SKIP_VLLM:-0}" != 1 ]]; then
+  # vLLM and what it imports report usage over the network unless told not to
+  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 LMCACHE_TRACK_USAGE=false \
+    .venv-vllm/bin/python -m pytest -p no:cacheprovider -m vllm tests/vllm "$@"
   rc=$?; [[ $rc -eq 0 || $rc -eq 5 ]] || status=$rc
 fi
 exit $status

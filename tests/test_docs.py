@@ -10,6 +10,7 @@ from pathlib import Path
 
 from otel_hicache import semconv as sc
 from otel_hicache.integrations.sglang.semconv import SGLANG_SERIES
+from otel_hicache.integrations.vllm.semconv import VLLM_SERIES
 from otel_hicache.sdk import TelemetrySetup
 
 README = Path(__file__).parents[1] / "README.md"
@@ -55,3 +56,9 @@ def test_readme_add_an_engine_names_files_that_exist() -> None:
     assert "otel_hicache/integrations/_base.py" in paths and "tests/integrations/test_base.py" in paths
     for path in paths:
         assert (README.parent / path).is_file(), path
+
+
+def test_readme_vllm_table_is_vllm_series() -> None:
+    section = README.read_text().split("## Instrument vLLM", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(.+)` \| `(.+)` \|$", section, re.M)
+    assert rows == list(VLLM_SERIES)

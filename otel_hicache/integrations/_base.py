@@ -100,8 +100,11 @@ class EngineInstrumentor(BaseInstrumentor):
         return super().instrument(**kwargs)
 
     def _instrument(self, **kwargs: Any) -> None:
-        telemetry = self._sink(kwargs)
-        patches = [(target, _guarded(wrapper)) for target, wrapper in self._wrappers(telemetry, kwargs)]
+        self._install(self._wrappers(self._sink(kwargs), kwargs))
+
+    def _install(self, wrappers: Iterable[tuple[Target, Wrapper]]) -> None:
+        """Arm the post-import hooks that put ``wrappers`` on their targets (each guarded), and the exit flush."""
+        patches = [(target, _guarded(wrapper)) for target, wrapper in wrappers]
         self._patch = _Patching(self, patches)
         if not self._exit_registered:
             # Spans wait in the telemetry queue for its worker; hand them to the SDK before the SDK's own exit

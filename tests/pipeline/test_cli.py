@@ -199,6 +199,7 @@ def test_endpoint_delivers_spans_and_metrics_to_an_otlp_receiver(protocol: str, 
         assert received[("load_back", "kv")] == truth["load_back"]["kv"]
         resource = attributes(receiver.trace_requests[0].resource_spans[0].resource.attributes)
         assert resource["service.name"] == "cli-test"
+        assert resource[sc.RESOURCE_ENGINE] == "reference"
 
 
 def test_otlp_endpoint_from_the_standard_environment_variable() -> None:

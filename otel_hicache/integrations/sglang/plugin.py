@@ -97,9 +97,12 @@ def ranked_telemetry() -> tuple[HiCacheTelemetry, TelemetrySetup]:
     """
     ranks = parallel_ranks()
     attn_tp = ranks.pop("attn_tp", None)
+    resource: dict[str, Any] = {sc.RESOURCE_ENGINE: sc.Engine.SGLANG.value}
+    if attn_tp is not None:
+        resource[sc.RESOURCE_ATTN_TP_RANK] = attn_tp
     setup = configure(
         ranks=ranks,
-        resource_attributes=None if attn_tp is None else {sc.RESOURCE_ATTN_TP_RANK: attn_tp},
+        resource_attributes=resource,
         extra_pools=SGLANG_POOLS,
         token_metrics=reports_tokens({**ranks, **({} if attn_tp is None else {"attn_tp": attn_tp})}),
     )

@@ -1,0 +1,51 @@
+"""OpenTelemetry for vLLM's KV offloading (``vllm >= 0.32``, CUDA or CPU build), with no change to vLLM's code.
+
+Zero-code, two ways. vLLM loads the ``vllm.general_plugins`` entry point ``vllm_kv_offload`` in every one of its
+processes (:mod:`.plugin`); each process that offloads configures telemetry from the ``OTEL_*`` environment at its
+first transfer (``OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317`` and vLLM's usual
+``--kv-transfer-config '{"kv_connector": "OffloadingConnector", ...}'`` are all it takes). Or, as every
+OpenTelemetry instrumentor, through the ``opentelemetry_instrumentor`` entry point (``opentelemetry-instrument vllm
+serve ...``) or in code::
+
+    from otel_hicache.integrations.vllm import VLLMOffloadInstrumentor
+    VLLMOffloadInstrumentor().instrument()            # or (tracer_provider=..., meter_provider=...)
+
+What is reported, all through :class:`~otel_hicache.telemetry.HiCacheTelemetry`:
+
+============================================  ========================================================================
+vLLM (wrapped)                                becomes
+============================================  ========================================================================
+``OffloadingConnectorWorker.prepare_store_    the job's direction and GPU blocks; submission time (stores: when the
+kv`` / ``handle_preemptions`` /               next step submits them)
+``start_kv_transfers``
+``OffloadingConnectorWorker.get_finished``    one ``hicache.backup`` (``GPU_to_CPU``) / ``hicache.load_back``
+with ``DirectionalTransferStats.record`` and  (``CPU_to_GPU``) span and transfer record per finished ``TransferResult``:
+``OffloadingWorkerMetadata.mark_completed``   its bytes and time exactly as vLLM counts them, tokens = the first KV
+                                              group's GPU blocks x tokens per block (pool ``kv``), blocks as
+                                              ``hicache.transfer.nodes``; timing source ``cuda_event`` for vLLM's
+                                              ``CPUOffloadingWorker`` (device events), ``host_clock`` for another
+                                              worker, ``none`` for a result without a time
+``OffloadingConnectorStats.increase_counter`` ``hicache.transfer.failures{operation=backup, error.type=host_pool_full}``
+(``vllm:kv_offload_allocation_failure``)      per failed CPU-tier allocation
+``CPUOffloadingSpec.get_manager``             ``hicache.pool.usage`` / ``.limit`` of tier ``host``: chunks holding KV
+                                              (cached or in flight) and capacity, x tokens per chunk
+``CPUOffloadingManager.prepare_store``        ``hicache.eviction.tokens`` / ``.duration`` of tier ``host``: chunks the
+                                              call evicted (``evicted_keys``) x tokens per chunk, host-clock timed
+============================================  ========================================================================
+
+Process topology: transfers finish in the worker processes (one per GPU); the scheduler (engine core) only sees
+their sums a step later, so the records are taken on the worker side, per rank, with ``hicache.rank.tp`` /
+``.pp`` / ``.dp`` on the Resource. Token flows are logical (every rank of a TP x PP group moves the same tokens), so
+only worker rank 0 reports the instruments counted in tokens (``token_metrics=False`` on the others); bytes, time and
+spans are per rank, and their sum over ranks is vLLM's own (vLLM adds up its workers' stats). Allocation failures,
+the CPU tier's occupancy and its evictions are scheduler-side. Every process sets the Resource attribute
+``hicache.engine=vllm``.
+
+Not reported: vLLM's lookup delays (``vllm:kv_offload_lookup_*_delay_seconds``: a scheduler latency, no transfer)
+and per-tier prefix hits (vLLM's connector reports external hits as a token count per lookup, which it may repeat
+for the same request). Patching and failure rules are those of every adapter (:mod:`otel_hicache.integrations._base`).
+"""
+
+from otel_hicache.integrations.vllm.instrumentor import EnvironmentSinks, VLLMOffloadInstrumentor
+
+__all__ = ["EnvironmentSinks", "VLLMOffloadInstrumentor"]

@@ -1,0 +1,39 @@
+"""vLLM's names: which modules the adapter patches and how vLLM's ``vllm:kv_offload_*`` series map onto ours.
+
+The core vocabulary (:mod:`otel_hicache.semconv`) is engine-neutral; what only vLLM spells lives here. vLLM's
+transfer types map onto operations (``GPU_to_CPU`` = ``backup``, ``CPU_to_GPU`` = ``load_back``), its CPU tier onto
+tier ``host``, and its blocks onto tokens (GPU blocks x tokens per block) of pool ``kv``.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: The entry-point name of the instrumentor and of the ``vllm.general_plugins`` plugin; naming it in
+#: ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` turns both off.
+ENTRY_POINT: Final = "vllm_kv_offload"
+
+#: vLLM's own allocation-failure counter (``OffloadingConnectorStats`` key): each increment is one store that found
+#: no room in the CPU tier.
+ALLOCATION_FAILURE: Final = "vllm:kv_offload_allocation_failure"
+
+#: Every ``vllm:kv_offload_*`` series the adapter reproduces and the otel_hicache series that carries the same
+#: quantity (Prometheus names, as the Collector's ``prometheus`` exporter writes ours). vLLM sums bytes and time over
+#: the workers of an engine; ours are per worker (Resource ``hicache.rank.*``): sum them to compare.
+VLLM_SERIES: Final[tuple[tuple[str, str], ...]] = (
+    ("vllm:kv_offload_store_bytes", 'hicache_transfer_size_bytes_total{hicache_operation="backup"}'),
+    ("vllm:kv_offload_store_time", 'hicache_transfer_duration_seconds_sum{hicache_operation="backup"}'),
+    ("vllm:kv_offload_store_size", 'hicache_transfer_duration_seconds_count{hicache_operation="backup"}'),
+    ("vllm:kv_offload_load_bytes", 'hicache_transfer_size_bytes_total{hicache_operation="load_back"}'),
+    ("vllm:kv_offload_load_time", 'hicache_transfer_duration_seconds_sum{hicache_operation="load_back"}'),
+    ("vllm:kv_offload_load_size", 'hicache_transfer_duration_seconds_count{hicache_operation="load_back"}'),
+    ('vllm:kv_offload_total_bytes{transfer_type="GPU_to_CPU"}',
+     'hicache_transfer_size_bytes_total{hicache_operation="backup"}'),
+    ('vllm:kv_offload_total_bytes{transfer_type="CPU_to_GPU"}',
+     'hicache_transfer_size_bytes_total{hicache_operation="load_back"}'),
+    ('vllm:kv_offload_total_time{transfer_type="GPU_to_CPU"}',
+     'hicache_transfer_duration_seconds_sum{hicache_operation="backup"}'),
+    ('vllm:kv_offload_total_time{transfer_type="CPU_to_GPU"}',
+     'hicache_transfer_duration_seconds_sum{hicache_operation="load_back"}'),
+    (ALLOCATION_FAILURE, 'hicache_transfer_failures_total{hicache_operation="backup",error_type="host_pool_full"}'),
+)  # fmt: skip

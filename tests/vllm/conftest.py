@@ -1,0 +1,44 @@
+"""Fixtures for running vLLM 0.32's real KV offloading connector on a CPU (run in .venv-vllm, marker ``vllm``).
+
+The engine builder lives in :mod:`tests.vllm.support`; the SDK is :func:`otel_hicache.testing.sdk.make_sdk`, with
+the production Views.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from otel_hicache.testing.sdk import Sdk, make_sdk
+from tests.pipeline.conftest import prometheus  # noqa: F401  (the session's real Prometheus, for the e2e test)
+
+# vLLM (and libraries it imports) report usage over the network unless told not to.
+for _name, _value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("LMCACHE_TRACK_USAGE", "false")):
+    os.environ.setdefault(_name, _value)
+
+
+if importlib.util.find_spec("vllm") is None:  # the project's .venv: these modules import vLLM at the top
+    collect_ignore_glob = ["*.py"]
+
+
+@pytest.fixture
+def otel() -> Iterator[Sdk]:
+    sdk = make_sdk()
+    yield sdk
+    sdk.shutdown()
+
+
+@pytest.fixture
+def instrumented(otel: Sdk) -> Iterator[Sdk]:
+    """vLLM instrumented for one test, reporting into ``otel``; uninstrumented afterwards."""
+    pytest.importorskip("vllm")
+    from otel_hicache.integrations.vllm import VLLMOffloadInstrumentor
+
+    instrumentor = VLLMOffloadInstrumentor()
+    instrumentor.instrument(telemetry=otel.telemetry)
+    assert instrumentor.is_instrumented_by_opentelemetry
+    yield otel
+    instrumentor.uninstrument()

@@ -1,0 +1,136 @@
+"""End to end with vLLM: a vLLM process offloading through its real connector, instrumented by the plugin alone,
+serves the Prometheus endpoint a real Prometheus scrapes; the shipped dashboard panels and recording rules return
+data for it with the labels they rely on, as for SGLang and the demo (tests/pipeline/test_e2e_prometheus.py).
+
+vLLM reports transfers, failures, the CPU tier's occupancy and evictions, not prefill hits per tier nor drops: the
+panels and rules built only on those are listed here and return no data for a vLLM-only Prometheus.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from otel_hicache.testing.otlp_receiver import OtlpReceiver
+from tests.pipeline.support import Prometheus
+from tests.pipeline.test_e2e_prometheus import (
+    BANDWIDTH_RULES,
+    GRAFANA_VARIABLES,
+    RULE_LABELS,
+    assert_panel_query_returns_data,
+    assert_rule_returns_data_with_its_labels,
+    panel_targets,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: What only SGLang-style producers feed: per-tier prefill hits and drops.
+NOT_FROM_VLLM_PANELS = {
+    "Prefix hit rate by tier",
+    "Prefill tokens: computed vs hit per tier",
+    "Dropped tokens by reason and pool",
+    "Drop ratio",
+}
+NOT_FROM_VLLM_RULES = {
+    "hicache:prefill_hit_ratio:rate5m",
+    "hicache:prefill_hit_ratio_by_mode:rate5m",
+    "hicache:prefill_hit_ratio:avg1h",
+    "hicache:drop_ratio:rate5m",
+    "HiCacheDropRateHigh",
+    "HiCachePrefixHitRateCollapse",
+}
+
+
+@pytest.fixture(scope="module")
+def live_vllm(prometheus: Prometheus) -> Iterator[Prometheus]:
+    """tests.vllm.offload_app offloading for up to 90 s, its metrics on the port Prometheus scrapes."""
+    with OtlpReceiver() as receiver:
+        env = {
+            **os.environ,
+            "PYTHONPATH": ROOT,
+            "OTEL_METRICS_EXPORTER": "prometheus",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(prometheus.target_port),
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "OTEL_SERVICE_NAME": "vllm-e2e",
+        }
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm.offload_app", "--seconds", "90"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            _wait_for_data(prometheus, process)
+            yield prometheus
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+
+
+def _wait_for_data(prometheus: Prometheus, process: subprocess.Popen[str], timeout_s: float = 80) -> None:
+    deadline = time.monotonic() + timeout_s
+    ready = [
+        'count_over_time(hicache_transfer_tokens_total{hicache_operation="backup",hicache_pool="kv"}[1m]) >= 4',
+        'rate(hicache_transfer_duration_seconds_sum{hicache_operation="load_back"}[1m]) > 0',
+        'rate(hicache_eviction_tokens_total{hicache_tier="host"}[1m]) > 0',
+        "otel_sdk:span_drop_ratio:rate5m >= 0",
+    ]
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            out, err = process.communicate()
+            pytest.fail(f"the vLLM app exited early ({process.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
+        if all(prometheus.query(expr) for expr in ready):
+            return
+        time.sleep(0.5)
+    pytest.fail("Prometheus never stored enough scrapes of the vLLM app")
+
+
+def test_per_engine_views_join_the_engine_from_target_info(live_vllm: Prometheus) -> None:
+    """The README's per-engine query: bytes moved per engine."""
+    (sample,) = live_vllm.query(
+        "sum by (hicache_engine) (rate(hicache_transfer_size_bytes_total[5m]) * on (job, instance) "
+        "group_left (hicache_engine) target_info)"
+    )
+    assert sample["metric"] == {"hicache_engine": "vllm"} and float(sample["value"][1]) > 0
+
+
+@pytest.mark.parametrize("name", sorted(set(RULE_LABELS) - NOT_FROM_VLLM_RULES))
+def test_rule_returns_data_for_vllm(live_vllm: Prometheus, name: str) -> None:
+    if name in BANDWIDTH_RULES:  # the alert watches CUDA-event timings; this CPU run times on the host
+        substitute = {'hicache_timing_source="cuda_event"': 'hicache_timing_source="host_clock"'}
+        assert_rule_returns_data_with_its_labels(live_vllm, name, **(substitute if name.startswith("HiCache") else {}))
+    else:
+        assert_rule_returns_data_with_its_labels(live_vllm, name)
+
+
+@pytest.mark.parametrize(
+    ("title", "expr", "legend"),
+    [t for t in panel_targets() + panel_targets(bandwidth=True) if t[0] not in NOT_FROM_VLLM_PANELS],
+    ids=lambda v: v if isinstance(v, str) and len(v) < 60 else None,
+)
+def test_dashboard_panel_returns_data_for_vllm(live_vllm: Prometheus, title: str, expr: str, legend: str) -> None:
+    assert_panel_query_returns_data(live_vllm, title, expr, legend)
+
+
+def test_the_panels_vllm_cannot_feed_are_the_prefill_and_drop_ones(live_vllm: Prometheus) -> None:
+    """They exist in the dashboard, and for vLLM they show nothing but the core's zero-seeded series (0 or 0/0)."""
+    titles = {t[0] for t in panel_targets() + panel_targets(bandwidth=True)}
+    assert titles >= NOT_FROM_VLLM_PANELS and set(RULE_LABELS) >= NOT_FROM_VLLM_RULES
+    for title, expr, _ in panel_targets():
+        if title in NOT_FROM_VLLM_PANELS:
+            for variable, value in GRAFANA_VARIABLES.items():
+                expr = expr.replace(variable, value)
+            values = [float(s["value"][1]) for s in live_vllm.query(expr)]
+            assert all(math.isnan(v) or v == 0 for v in values), (title, values)

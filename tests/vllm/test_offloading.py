@@ -1,0 +1,165 @@
+"""vLLM's real KV offloading connector, instrumented: every hicache.* value equals what vLLM's own offloading
+metrics hold for the same run (bytes and time per direction, transfer count), spans carry the same bytes and blocks,
+and the CPU tier's occupancy is the manager's.
+
+vLLM's side is read where vLLM's stat loggers read it: the scheduler role's ``get_kv_connector_stats()``
+(``OffloadingConnectorStats``, reduced as vLLM's logging stat logger does), after the worker role's metadata went
+through the scheduler role's ``update_connector_output``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from otel_hicache.testing.sdk import Sdk
+from tests.vllm import support
+
+pytestmark = pytest.mark.vllm
+
+BACKUP = {"hicache.operation": "backup"}
+LOAD_BACK = {"hicache.operation": "load_back"}
+
+
+def duration(otel: Sdk, operation: dict[str, str]) -> tuple[float, int]:
+    points = [p for attrs, p in otel.points("hicache.transfer.duration").items() if set(operation.items()) <= attrs]
+    return sum(p.sum for p in points), sum(p.count for p in points)
+
+
+def size(otel: Sdk, operation: dict[str, str]) -> int:
+    return sum(p.value for attrs, p in otel.points("hicache.transfer.size").items() if set(operation.items()) <= attrs)
+
+
+def test_bytes_time_and_count_per_direction_equal_vllms_own_offload_metrics(instrumented: Sdk) -> None:
+    engine = support.engine()
+    support.run_workload(engine)
+    vllm = engine.vllm_stats()
+
+    assert size(instrumented, BACKUP) == vllm["vllm:kv_offload_store_bytes"] > 0
+    assert size(instrumented, LOAD_BACK) == vllm["vllm:kv_offload_load_bytes"] > 0
+    store_time, stores = duration(instrumented, BACKUP)
+    load_time, loads = duration(instrumented, LOAD_BACK)
+    assert store_time == pytest.approx(vllm["vllm:kv_offload_store_time"], rel=1e-9)
+    assert load_time == pytest.approx(vllm["vllm:kv_offload_load_time"], rel=1e-9)
+    assert (
+        (stores, loads) == (vllm["vllm:kv_offload_store_size_count"], vllm["vllm:kv_offload_load_size_count"]) == (3, 2)
+    )
+    # a worker that is not vLLM's CUDA one times on the host
+    sources = {
+        dict(a)["hicache.timing.source"] for a, p in instrumented.points("hicache.transfer.size").items() if p.value
+    }
+    assert sources == {"host_clock"}
+
+
+def test_spans_carry_each_transfers_bytes_blocks_and_tokens(instrumented: Sdk) -> None:
+    engine = support.engine()
+    support.run_workload(engine)
+    vllm = engine.vllm_stats()
+    page = support.ATTENTION.page_size_bytes * len(support.LAYERS)  # one GPU block, every layer
+
+    backups = instrumented.spans("hicache.backup")
+    loads = instrumented.spans("hicache.load_back")
+    assert [s.attributes["hicache.transfer.nodes"] for s in backups] == [1, 3, 5]
+    assert [s.attributes["hicache.transfer.nodes"] for s in loads] == [3, 5]
+    for span in backups + loads:
+        blocks = span.attributes["hicache.transfer.nodes"]
+        assert span.attributes["hicache.transfer.bytes"] == blocks * page
+        assert span.attributes["hicache.transfer.tokens.kv"] == blocks * support.BLOCK_SIZE
+        assert span.start_time <= span.end_time
+    assert sum(s.attributes["hicache.transfer.bytes"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
+    assert sum(s.attributes["hicache.transfer.bytes"] for s in loads) == vllm["vllm:kv_offload_load_bytes"]
+    assert sum(s.attributes["hicache.transfer.copy_duration"] for s in backups) == pytest.approx(
+        vllm["vllm:kv_offload_store_time"], rel=1e-9
+    )
+    tokens = instrumented.counters()["hicache.transfer.tokens"]
+    assert sum(v for k, v in tokens.items() if "backup" in k) == 9 * support.BLOCK_SIZE
+
+
+def test_cpu_tier_occupancy_is_the_managers_chunks_in_tokens(instrumented: Sdk) -> None:
+    engine = support.engine(cpu_chunks=8)
+    engine.store("a", [0, 1, 2])
+    host = {"hicache.tier": "host", "hicache.pool": "kv"}
+    assert instrumented.value("hicache.pool.limit", host) == 8 * support.BLOCK_SIZE
+    assert instrumented.value("hicache.pool.usage", {**host, "hicache.pool.state": "used"}) == 3 * support.BLOCK_SIZE
+
+
+def test_allocation_failures_are_failed_backups_counted_as_vllm_counts_them(instrumented: Sdk) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+    engine = support.engine(cpu_chunks=2)
+    assert engine.store("a", [0, 1])
+    assert engine.store("b", [2, 3, 4]) is None  # vLLM's manager has no room: its scheduler counts a failure
+    stats = OffloadingConnectorStats()
+    for _ in range(2):  # what the scheduler role does for each store it cannot allocate
+        stats.increase_counter("vllm:kv_offload_allocation_failure")
+    failures = {"hicache.operation": "backup", "error.type": "host_pool_full"}
+    assert (
+        instrumented.value("hicache.transfer.failures", failures)
+        == stats.reduce()["vllm:kv_offload_allocation_failure"]
+        == 2
+    )
+
+
+def test_uninstrument_restores_vllms_classes(instrumented: Sdk) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+
+    from otel_hicache.integrations.vllm import VLLMOffloadInstrumentor
+
+    assert hasattr(OffloadingConnectorWorker.get_finished, "__wrapped__")
+    VLLMOffloadInstrumentor().uninstrument()
+    assert not hasattr(OffloadingConnectorWorker.get_finished, "__wrapped__")
+    engine = support.engine()
+    support.run_workload(engine)
+    assert instrumented.spans() == []
+    VLLMOffloadInstrumentor().instrument(telemetry=instrumented.telemetry)  # the fixture uninstruments
+
+
+def test_chunks_vllms_manager_evicts_are_host_tier_evictions_in_tokens(instrumented: Sdk) -> None:
+    engine = support.engine(cpu_chunks=8)
+    support.run_workload(engine)  # the third store (5 chunks) finds 4 free: vLLM's LRU policy evicts one chunk
+    assert instrumented.counters()["hicache.eviction.tokens"][("host",)] == 1 * support.BLOCK_SIZE
+
+
+def test_a_store_flushed_at_preemption_is_one_transfer_as_vllm_counts_it(instrumented: Sdk) -> None:
+    engine = support.engine()
+    assert engine.store("a", [0, 1], flush=True)  # submitted and waited for by handle_preemptions
+    assert engine.store("b", [2])
+    vllm = engine.vllm_stats()
+    backups = instrumented.spans("hicache.backup")
+    assert [s.attributes["hicache.transfer.nodes"] for s in backups] == [2, 1]
+    assert sum(s.attributes["hicache.transfer.bytes"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
+    assert len(backups) == vllm["vllm:kv_offload_store_size_count"]
+
+
+@pytest.mark.parametrize(("rank", "reports_tokens"), [(0, True), (1, False)])
+def test_instrumented_with_providers_one_tensor_parallel_rank_reports_tokens(rank: int, reports_tokens: bool) -> None:
+    """The telemetry is built at the first record, when the worker's rank is known: bytes on every rank, tokens on
+    rank 0 only (they are the same logical tokens on every rank)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from otel_hicache.integrations.vllm import VLLMOffloadInstrumentor
+    from otel_hicache.sdk import views
+
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader], views=views())
+    instrumentor = VLLMOffloadInstrumentor()
+    instrumentor.instrument(tracer_provider=TracerProvider(), meter_provider=meter_provider)
+    try:
+        engine = support.engine(rank=rank, tp=2)
+        support.run_workload(engine)
+        vllm = engine.vllm_stats()
+        assert instrumentor.telemetry is not None
+        instrumentor.telemetry.flush()
+        data = reader.get_metrics_data()
+        metrics = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+        stored = sum(
+            p.value for p in metrics["hicache.transfer.size"].data.data_points
+            if p.attributes["hicache.operation"] == "backup"
+        )  # fmt: skip
+        assert stored == vllm["vllm:kv_offload_store_bytes"] > 0
+        assert ("hicache.transfer.tokens" in metrics) is reports_tokens
+    finally:
+        instrumentor.uninstrument()
+        instrumentor.telemetry.shutdown()  # type: ignore[union-attr]
+        meter_provider.shutdown()
