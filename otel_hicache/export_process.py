@@ -140,13 +140,15 @@ class ExportProcess:
 
     def _wait(self, done: Any, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
+        pause = 0.001
         while not done():
             if time.monotonic() >= deadline:
                 if not self._warned and not self._channel.ints[EXPORTER_PID]:
                     self._warned = True
                     _log.warning("otel_hicache: the export process has not attached yet; records wait in its queue")
                 return False
-            time.sleep(0.002)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)  # an export takes milliseconds: poll less the longer it takes
         return True
 
     def _spawn(self, read_fd: int) -> None:
