@@ -28,6 +28,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def otel(sdk: Sdk) -> Sdk:
+    """The in-memory SDK under the name the engine suites (tests/sglang, tests/vllm) give it."""
+    return sdk
+
+
+@pytest.fixture
 def sdk() -> Iterator[Sdk]:
     made = make_sdk()
     yield made

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from otel_hicache.testing.sdk import Sdk, make_sdk
+from otel_hicache.testing.sdk import Sdk
 from otel_hicache.testing.sglang import FileStorage, file_storage, install_cpu_shims
 
 
@@ -33,13 +33,6 @@ def sglang_metrics(cpu_sglang: None) -> Any:
     from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector
 
     return RadixCacheMetricsCollector(labels={"cache_type": "UnifiedRadixCache", "tp_rank": "0"})
-
-
-@pytest.fixture
-def otel() -> Iterator[Sdk]:
-    sdk = make_sdk()
-    yield sdk
-    sdk.shutdown()
 
 
 @pytest.fixture

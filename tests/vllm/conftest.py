@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from otel_hicache.testing.sdk import Sdk, make_sdk
+from otel_hicache.testing.sdk import Sdk
 from tests.pipeline.conftest import prometheus  # noqa: F401  (the session's real Prometheus, for the e2e test)
 
 # vLLM (and libraries it imports) report usage over the network unless told not to.
@@ -22,13 +22,6 @@ for _name, _value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("LMC
 
 if importlib.util.find_spec("vllm") is None:  # the project's .venv: these modules import vLLM at the top
     collect_ignore_glob = ["*.py"]
-
-
-@pytest.fixture
-def otel() -> Iterator[Sdk]:
-    sdk = make_sdk()
-    yield sdk
-    sdk.shutdown()
 
 
 @pytest.fixture
