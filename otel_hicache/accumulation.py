@@ -95,9 +95,6 @@ class Counters:
         self.ints = ints
         self._attributes: dict[tuple[str, Key], dict[str, Any]] = {}
 
-    def add(self, slot: int, n: int) -> None:
-        self.ints[slot] += n
-
     def values(self, name: str) -> dict[Key, int]:
         """Every series of ``name`` that is non-zero or pre-seeded."""
         ints, seeded = self.ints, self.layout.seeded[name]
