@@ -249,13 +249,14 @@ def main(argv: list[str]) -> None:
         meter_provider.force_flush(timeout_ms)
 
     poke = threading.Event()
+    ending_lock = threading.Lock()
     deadline = threading.Timer(timeout_ms / 1000 + 0.5, os._exit, args=(0,))
     deadline.daemon = True
 
     def ending() -> None:
         """The host is gone (or SIGTERM): from now on the process has ``final_timeout_s`` to live, even if the main
-        loop is stuck in an export to a dead collector."""
-        if not stop.is_set():
+        loop is stuck in an export to a dead collector. Once, whether the pipe or the signal says it first."""
+        if ending_lock.acquire(blocking=False):
             stop.set()
             deadline.start()
         poke.set()
