@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -46,3 +47,16 @@ class Prometheus:
         data = self.api("query", query=expr)
         assert data["resultType"] == "vector", (expr, data["resultType"])
         return list(data["result"])
+
+    def wait_for_data(self, ready: list[str], app: subprocess.Popen[str], what: str, timeout_s: float) -> None:
+        """Until every query in ``ready`` returns data (several scrapes of ``app`` stored, the rules built on rates
+        evaluated); fails at once, with the app's output, if ``app`` exits first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if app.poll() is not None:
+                out, err = app.communicate()
+                pytest.fail(f"{what} exited early ({app.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
+            if all(self.query(expr) for expr in ready):
+                return
+            time.sleep(0.5)
+        pytest.fail(f"Prometheus never stored enough scrapes of {what}")

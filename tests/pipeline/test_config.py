@@ -22,7 +22,7 @@ import pytest
 
 from otel_hicache import config
 from otel_hicache.config import SPAN_LIMITS, ConfigError, validate
-from tests.pipeline.conftest import free_port
+from otel_hicache.testing import free_port
 
 MISSING_FILE = "/nonexistent/otel-hicache/ca.pem"
 

@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,7 +105,7 @@ def live_demo(prometheus: Prometheus) -> Iterator[Prometheus]:
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
-            _wait_for_data(prometheus, process)
+            prometheus.wait_for_data(DEMO_READY, process, "the demo", timeout_s=60)
             yield prometheus
         finally:
             process.send_signal(signal.SIGTERM)  # the CLI turns it into a clean, flushed shutdown
@@ -119,24 +118,13 @@ def live_demo(prometheus: Prometheus) -> Iterator[Prometheus]:
             assert process.returncode == 130 and "interrupted" in err, err[-2000:]
 
 
-def _wait_for_data(prometheus: Prometheus, process: subprocess.Popen[str], timeout_s: float = 60) -> None:
-    """Until several scrapes of the live demo are stored and the rules built on rates have been evaluated."""
-    deadline = time.monotonic() + timeout_s
-    ready = [
-        'count_over_time(hicache_transfer_tokens_total{hicache_operation="backup",hicache_pool="kv"}[1m]) >= 4',
-        "hicache:prefill_hit_ratio:avg1h",
-        # rates over two or more changing samples: finite values, not 0/0
-        'rate(hicache_transfer_duration_seconds_sum{hicache_operation="backup"}[1m]) > 0',
-        "otel_sdk:span_drop_ratio:rate5m >= 0",
-    ]
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            out, err = process.communicate()
-            pytest.fail(f"the demo exited early ({process.returncode}):\n{out[-2000:]}\n{err[-2000:]}")
-        if all(prometheus.query(expr) for expr in ready):
-            return
-        time.sleep(0.5)
-    pytest.fail("Prometheus never stored enough scrapes of the demo")
+#: Several scrapes of the live demo stored, and the rules built on rates evaluated (finite values, not 0/0).
+DEMO_READY = [
+    'count_over_time(hicache_transfer_tokens_total{hicache_operation="backup",hicache_pool="kv"}[1m]) >= 4',
+    "hicache:prefill_hit_ratio:avg1h",
+    'rate(hicache_transfer_duration_seconds_sum{hicache_operation="backup"}[1m]) > 0',
+    "otel_sdk:span_drop_ratio:rate5m >= 0",
+]
 
 
 def test_the_demo_is_scraped_as_a_healthy_target(live_demo: Prometheus) -> None:

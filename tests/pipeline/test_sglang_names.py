@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from otel_hicache.integrations.sglang.stat_loggers import OTelStatLoggers
 from otel_hicache.sdk import TelemetrySetup, configure
-from tests.pipeline.conftest import Prometheus
+from tests.pipeline.support import Prometheus
 
 pytestmark = pytest.mark.prometheus
 

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -68,7 +67,7 @@ def live_vllm(prometheus: Prometheus) -> Iterator[Prometheus]:
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
-            _wait_for_data(prometheus, process)
+            prometheus.wait_for_data(VLLM_READY, process, "the vLLM app", timeout_s=80)
             yield prometheus
         finally:
             process.send_signal(signal.SIGINT)
@@ -79,22 +78,13 @@ def live_vllm(prometheus: Prometheus) -> Iterator[Prometheus]:
                 process.communicate()
 
 
-def _wait_for_data(prometheus: Prometheus, process: subprocess.Popen[str], timeout_s: float = 80) -> None:
-    deadline = time.monotonic() + timeout_s
-    ready = [
-        'count_over_time(hicache_transfer_tokens_total{hicache_operation="backup",hicache_pool="kv"}[1m]) >= 4',
-        'rate(hicache_transfer_duration_seconds_sum{hicache_operation="load_back"}[1m]) > 0',
-        'rate(hicache_eviction_tokens_total{hicache_tier="host"}[1m]) > 0',
-        "otel_sdk:span_drop_ratio:rate5m >= 0",
-    ]
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            out, err = process.communicate()
-            pytest.fail(f"the vLLM app exited early ({process.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
-        if all(prometheus.query(expr) for expr in ready):
-            return
-        time.sleep(0.5)
-    pytest.fail("Prometheus never stored enough scrapes of the vLLM app")
+#: Several scrapes of the live vLLM app stored, and the rules built on rates evaluated.
+VLLM_READY = [
+    'count_over_time(hicache_transfer_tokens_total{hicache_operation="backup",hicache_pool="kv"}[1m]) >= 4',
+    'rate(hicache_transfer_duration_seconds_sum{hicache_operation="load_back"}[1m]) > 0',
+    'rate(hicache_eviction_tokens_total{hicache_tier="host"}[1m]) > 0',
+    "otel_sdk:span_drop_ratio:rate5m >= 0",
+]
 
 
 def test_per_engine_views_join_the_engine_from_target_info(live_vllm: Prometheus) -> None:
