@@ -9,7 +9,8 @@ the rest, the same way for every engine:
   supported shapes), builds the :class:`~otel_hicache.telemetry.HiCacheTelemetry` sink and registers one post-import
   hook per target module (:func:`wrapt.register_post_import_hook`): it imports nothing of the engine (nor torch), and
   each target is patched when the engine imports its module (at once if it already has);
-* every wrapper passes straight through under :func:`opentelemetry.instrumentation.utils.suppress_instrumentation`;
+* every wrapper passes straight through under :func:`opentelemetry.instrumentation.utils.suppress_instrumentation`
+  (a wrapper marked :func:`checks_suppression` reports nothing there, and checks that itself);
 * ``uninstrument()`` restores exactly what was patched (with the contrib
   :func:`~opentelemetry.instrumentation.utils.unwrap`), disarms the hooks that have not fired yet and hands queued
   spans to the SDK;
@@ -24,7 +25,7 @@ import threading
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import wrapt
 from opentelemetry import metrics, trace
@@ -37,6 +38,8 @@ _log = logging.getLogger(__name__)
 
 #: A wrapt wrapper: ``(wrapped, instance, args, kwargs) -> result``.
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+_W = TypeVar("_W", bound=Callable[..., Any])
+_CHECKS_SUPPRESSION = "_otel_hicache_checks_suppression"
 #: What a wrapt wrapper is an instance of (wrapt 2 splits ``BaseObjectProxy`` off ``ObjectProxy``).
 _PROXY: type = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
 
@@ -104,7 +107,9 @@ class EngineInstrumentor(BaseInstrumentor):
 
     def _install(self, wrappers: Iterable[tuple[Target, Wrapper]]) -> None:
         """Arm the post-import hooks that put ``wrappers`` on their targets (each guarded), and the exit flush."""
-        patches = [(target, _guarded(wrapper)) for target, wrapper in wrappers]
+        patches = [
+            (target, wrapper if _checks_suppression(wrapper) else _guarded(wrapper)) for target, wrapper in wrappers
+        ]
         self._patch = _Patching(self, patches)
         if not self._exit_registered:
             # Spans wait in the telemetry queue for its worker; hand them to the SDK before the SDK's own exit
@@ -206,6 +211,20 @@ def _guarded(wrapper: Wrapper) -> Wrapper:
         return wrapped(*args, **kwargs)
 
     return guarded
+
+
+def checks_suppression(wrapper: _W) -> _W:
+    """Mark ``wrapper`` as checking ``suppress_instrumentation()`` itself: it is installed without the guard.
+
+    For the hottest wrappers, which keep bookkeeping true on every call and look at the context only when they have
+    something to report (the guard's context lookup on every call is a measurable share of their cost).
+    """
+    wrapper.__dict__[_CHECKS_SUPPRESSION] = True
+    return wrapper
+
+
+def _checks_suppression(wrapper: Wrapper) -> bool:
+    return bool(getattr(wrapper, _CHECKS_SUPPRESSION, False))  # a bound method reads its function's mark
 
 
 def _is_ours(attribute: Any) -> bool:

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry.instrumentation.utils import suppress_instrumentation
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled, suppress_instrumentation
 
 from otel_hicache import semconv as sc
-from otel_hicache.integrations._base import EngineInstrumentor, Target, Wrapper
+from otel_hicache.integrations._base import EngineInstrumentor, Target, Wrapper, checks_suppression
 from otel_hicache.records import TransferRecord
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.testing.sdk import Sdk
@@ -104,3 +104,34 @@ def test_uninstrument_disarms_patches_for_modules_not_imported_yet(toy_engine_pa
     assert not hasattr(toy_engine.KVStore.__dict__["offload"], "__wrapped__")
     toy_engine.KVStore().offload(8)
     assert backed_up(sdk) == {}
+
+
+def test_a_wrapper_marked_checks_suppression_is_installed_unguarded(toy_engine_path: None, sdk: Sdk) -> None:
+    seen: list[bool] = []
+
+    class SelfGuarded(EngineInstrumentor):
+        def instrumentation_dependencies(self) -> Collection[str]:
+            return ()
+
+        def _wrappers(
+            self, telemetry: HiCacheTelemetry, options: Mapping[str, Any]
+        ) -> Iterable[tuple[Target, Wrapper]]:
+            @checks_suppression
+            def offload(
+                wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> Any:
+                seen.append(is_instrumentation_enabled())  # it decides for itself what suppression means
+                return wrapped(*args, **kwargs)
+
+            return [(Target("toy_engine", "KVStore", "offload"), offload)]
+
+    store = importlib.import_module("toy_engine").KVStore()  # already imported: patched at instrument()
+    instrumentor = SelfGuarded()
+    instrumentor.instrument(telemetry=sdk.telemetry)
+    try:
+        store.offload(1)
+        with suppress_instrumentation():
+            store.offload(2)
+    finally:
+        instrumentor.uninstrument()
+    assert seen == [True, False]

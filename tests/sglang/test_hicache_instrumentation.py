@@ -5,6 +5,7 @@ Every OTel value is checked against what SGLang's own prometheus collector holds
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from array import array
 from typing import Any
@@ -423,3 +424,47 @@ def test_every_pool_name_of_this_sglang_is_counted_under_its_own_name(cpu_sglang
     finally:
         instrumentor.uninstrument()
     assert counted == set(tokens)
+
+
+def test_reset_forgets_queued_acks_even_when_suppressed_and_reports_none_of_them(
+    instrumented: Sdk, sglang_metrics: Any
+) -> None:
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+    for suppressed in (False, True):
+        tree = Tree("write_through", sglang_metrics)
+        tree.insert(SEQ_A)
+        tree.cache.flush_pending_backups()
+        assert len(tree.cc.ack_write_queue) == 1  # submitted, never consumed
+        with suppress_instrumentation() if suppressed else contextlib.nullcontext():
+            tree.cc.reset()
+        assert tree.cc.ack_write_queue == [] and tree.cc.ack_write_queue.reporter.submitted == {}
+    assert otel_values(instrumented)["backup_kv"] == 0 and instrumented.spans() == []
+
+
+def test_adopted_queues_stay_lists_stop_reporting_when_uninstrumented_and_report_again_when_reinstrumented(
+    cpu_sglang: None, otel: Sdk, sglang_metrics: Any
+) -> None:
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+
+    instrumentor = SGLangHiCacheInstrumentor()
+    instrumentor.instrument(telemetry=otel.telemetry, stat_loggers=False)
+    tree = Tree("write_through", sglang_metrics)
+    try:
+        tree.insert(SEQ_A)
+        tree.step()
+        queue = tree.cc.ack_write_queue
+        assert isinstance(queue, list) and queue.reporter is not None  # adopted at the first submission
+        instrumentor.uninstrument()
+        assert queue.reporter is None
+        tree.insert(SEQ_B)
+        tree.step()  # consumed while uninstrumented: SGLang runs on, nothing is reported
+        instrumentor.instrument(telemetry=otel.telemetry, stat_loggers=False)
+        tree.insert(list(range(200, 210)))
+        tree.step()
+        assert tree.cc.ack_write_queue is queue and queue.reporter is not None  # the same list, reporting again
+    finally:
+        instrumentor.uninstrument()
+    assert [ack.num_tokens for ack in tree.consumed] == [20, 30, 10]
+    assert otel_values(otel)["backup_kv"] == 20 + 10
+    assert sorted(s.attributes[sc.ATTR_TOKENS] for s in otel.spans("hicache.backup")) == [10, 20]

@@ -20,14 +20,14 @@ What is reported, all through :class:`~otel_hicache.telemetry.HiCacheTelemetry`:
 ========================================  =============================================================================
 SGLang method (wrapped)                   becomes
 ========================================  =============================================================================
-``HiCacheController.start_writing`` /     submission time and merged-op count of the ack it appends
-``start_loading``
-``UnifiedRadixCache.writing_check`` /     one ``hicache.backup`` / ``hicache.load_back`` span and transfer record per
-``loading_check``                         consumed ``HiCacheAck``: tokens per pool, bytes (one total; SGLang does not
-                                          split bytes by pool), node count, copy time from the ack's own events when
-                                          ``timing_enabled`` (none otherwise, e.g. on CPU)
-``DecodeKVCacheOffloadManager.``          the same (``hicache.backup``) for PD decode's device -> host offloads: the
-``_check_offload_progress``               manager consumes its own controller's write acks
+``HiCacheController.start_writing`` /     submission time and merged-op count of the ack it appends; the first one
+``start_loading``                         also makes the controller's ``ack_write_queue`` / ``ack_load_queue`` an
+                                          :class:`.hooks.AckQueue` (a list, same acks) that reports acks as they leave
+each ack leaving a queue (not a wrapped   one ``hicache.backup`` / ``hicache.load_back`` span and transfer record per
+method: ``pop(0)`` in ``writing_check``,  consumed ``HiCacheAck``: tokens per pool, bytes (one total; SGLang does not
+``loading_check`` and PD decode's         split bytes by pool), node count, copy time from the ack's own events when
+``_check_offload_progress``; ``clear()``  ``timing_enabled`` (none otherwise, e.g. on CPU)
+under write-back)
 ``UnifiedRadixCache._record_dropped_      ``hicache.dropped.tokens{reason, pool="kv"}``
 tokens``
 ``UnifiedRadixCache._evict``              ``hicache.eviction.tokens`` / ``.duration`` (tier ``device``; passes that
@@ -41,12 +41,13 @@ result``                                  result)
 ``req``), ``checkpoint_into_tree`` /      ``hicache.load_back`` / ``hicache.backup`` spans of the transfers they start
 ``advance_unpublished_req``               link to; ``_account_prefill_cache_admission`` puts the prefix split on it
 ``UnifiedRadixCache.init_hicache``        ``hicache.pool.usage`` / ``.limit`` of the host KV pool, read at collection
-``HiCacheController.reset``               forgets acks the reset discarded
+``HiCacheController.reset``               forgets acks the reset discarded (also under suppression)
 ========================================  =============================================================================
 
-Span times: start = submission (wall clock when ``start_writing`` / ``start_loading`` was entered), end = when the
-consuming check saw the ack complete; the device-measured copy time is the ``hicache.transfer.copy_duration``
-attribute and the ``hicache.transfer.duration`` histogram. No device synchronisation is added.
+Span times: start = submission (when ``start_writing`` / ``start_loading`` was entered), end = when the ack left its
+queue (SGLang consumes only completed acks); both on the monotonic clock, anchored to the wall clock once. The
+device-measured copy time is the ``hicache.transfer.copy_duration`` attribute and the ``hicache.transfer.duration``
+histogram. No device synchronisation is added.
 
 SGLang's own ``sglang:*`` series also flow over OTel through its ``stat_loggers`` hook (``scheduler``, ``storage``,
 ``radix_cache`` roles; see :mod:`.stat_loggers`); the HiCache series above are not exported twice.
@@ -61,18 +62,19 @@ differences: ``hicache.*`` values are counted even when SGLang runs without ``--
 SGLang discards after it arrived is still a completed ``storage_prefetch`` transfer here; L3 bytes are the KV pool's
 tokens times its bytes per token (0 where the host pool is a group that does not state a size).
 
-Cost on the scheduler thread: the wrappers keep a mirror of each controller's ack queues (SGLang appends acks and
-consumes them from the front), so a check finds the consumed acks without copying the queue, and only queues each
-consumed ack (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_deferred`); the record is built and
-counted on the telemetry worker. A check with ``finish_count=0`` skips all bookkeeping. ``python -m benchmarks
-sglang`` measures the cost per ack against SGLang's own prometheus metrics (about 0.23x on this project's machine).
+Cost on the scheduler thread: the completion checks are not wrapped (a check that consumes nothing costs nothing);
+each consumed ack costs one ``(ack, submission, time)`` tuple handed to
+:meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_deferred`, and the record is built and counted on the
+telemetry's host thread. ``.venv-sglang/bin/python -m benchmarks sglang`` measures the cost per ack against SGLang's
+own prometheus metrics, for both ways ``writing_check`` is called (see the README's Overhead table).
 
 Patching and failure rules (shared by every engine adapter, :mod:`otel_hicache.integrations._base`): ``instrument()``
 imports nothing of SGLang (nor torch); each SGLang module is patched when it is imported (at once if it already is). A
 missing or unsupported SGLang gives one warning and no patching (the version check runs even under
 ``skip_dep_check``, which ``opentelemetry-instrument`` passes: the wrappers rely on 0.5.23's shapes); a missing method
 skips only its signal (one warning); a wrapper whose own code fails logs once and SGLang runs unchanged; inside
-``opentelemetry.instrumentation.utils.suppress_instrumentation()`` every wrapper passes straight through.
+``opentelemetry.instrumentation.utils.suppress_instrumentation()`` every wrapper passes straight through, and an ack
+submitted there is not reported when it is consumed.
 ``uninstrument()`` restores every patched attribute to the original object and disarms patches for modules not imported
 yet; ``instrument()`` twice wraps nothing twice.
 

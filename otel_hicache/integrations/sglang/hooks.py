@@ -1,4 +1,4 @@
-"""The wrapt wrappers around SGLang's HiCache methods.
+"""The wrapt wrappers around SGLang's HiCache methods, and the ack queues that report consumed transfers.
 
 Each wrapper calls SGLang's method exactly once, unchanged, and reads only what SGLang already computed (the
 ``HiCacheAck`` of a merged transfer, an eviction result, the prefill adder's counters) to build a record for
@@ -6,21 +6,33 @@ Each wrapper calls SGLang's method exactly once, unchanged, and reads only what 
 from an ack's events only after SGLang consumed the ack (its finish event is complete), through
 :func:`otel_hicache.timing.elapsed_seconds`, which checks ``query()`` first.
 
+Consumed acks are seen where they leave, not around the methods that consume them: the first submission the
+``start_writing`` / ``start_loading`` wrapper sees replaces the controller's ``ack_write_queue`` / ``ack_load_queue``
+by an :class:`AckQueue` (a ``list``, with the same acks) whose ``pop`` and ``clear`` report each ack that leaves it.
+Every consumer of SGLang 0.5.23 is covered that way - ``writing_check`` (``pop(0)``; ``clear()`` under write-back),
+``loading_check`` (``pop(0)``), PD decode's ``DecodeKVCacheOffloadManager._check_offload_progress`` (``pop(0)``) - and
+the checks themselves run unwrapped: a check that consumes nothing costs nothing, and a consumed ack costs its
+scheduler thread one appended tuple (the record is built and counted on the telemetry's host thread).
+
 Failure rule: if a wrapper's own code fails it logs once per hook and the host's call goes on untouched; an
 exception raised by SGLang's method propagates exactly as without instrumentation.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from time import monotonic_ns
+from typing import Any, SupportsIndex
 
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from opentelemetry.trace import Span, SpanContext
 
+from otel_hicache.integrations._base import checks_suppression
 from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferRecord
 from otel_hicache.semconv import (
     ATTR_PREFIX_TOKENS,
@@ -36,29 +48,114 @@ from otel_hicache.timing import ANCHOR, elapsed_seconds, now_ns
 
 _log = logging.getLogger(__name__)
 
-#: Submitted acks remembered per controller and direction; beyond this the oldest are forgotten (a controller whose
-#: acks are never consumed, e.g. a queue cleared by code we do not wrap, must not grow memory without bound).
+#: Submitted acks remembered per queue (submission time, merged ops) until consumed; beyond this the oldest are
+#: forgotten (a queue emptied by code that is not SGLang's must not grow memory without bound).
 MAX_PENDING = 4096
 
 _WRITE = "write"
 _LOAD = "load"
 _SUBMIT_HOOK = {_WRITE: "start_writing", _LOAD: "start_loading"}
-_CHECK_HOOK = {_WRITE: "writing_check", _LOAD: "loading_check"}
-_Pending = tuple[Any, "int | None", int]  # (ack, submit_time_ns or None when unknown, merged_ops)
+_QUEUE = {_WRITE: "ack_write_queue", _LOAD: "ack_load_queue"}
+_Submitted = tuple["int | None", int]  # (submit time in monotonic ns, or None when unknown; merged ops)
+_UNSEEN: _Submitted = (None, 1)  # an ack queued before its queue was adopted
 
 
-class _ControllerState:
-    """One controller's ack queues as we saw them submitted: ``write`` / ``load`` list, in order, the acks of
-    ``ack_write_queue`` / ``ack_load_queue``. SGLang appends acks at the end and consumes them from the front
-    (FIFO, or all at once), so while the mirror holds, the acks a check consumed are simply its first
-    ``len(mirror) - len(queue)`` entries: no copy of the queue and no identity set per check."""
+class AckQueue(list[Any]):  # SGLang's List[HiCacheAck]
+    """A controller's ack queue as SGLang uses it (a ``list``; appending and reading are untouched) that hands each
+    ack leaving through ``pop`` or ``clear`` to its reporter. ``reporter`` None: a plain list (uninstrumented)."""
 
-    __slots__ = ("links", "load", "write")
+    __slots__ = ("__weakref__", "reporter")
 
-    def __init__(self) -> None:
-        self.write: list[_Pending] = []
-        self.load: list[_Pending] = []
-        self.links: dict[int, tuple[SpanContext, ...]] = {}  # ack id -> request spans it serves (tracing on)
+    def __init__(self, acks: Iterable[Any], reporter: AckReporter) -> None:
+        super().__init__(acks)
+        self.reporter: AckReporter | None = reporter
+
+    def pop(self, index: SupportsIndex = -1) -> Any:
+        ack = list.pop(self, index)
+        reporter = self.reporter
+        if reporter is not None:
+            reporter.consumed(ack)
+        return ack
+
+    def clear(self) -> None:
+        reporter = self.reporter
+        if reporter is None or reporter.forgetting:
+            list.clear(self)
+            if reporter is not None:
+                reporter.submitted.clear()
+            return
+        acks = list(self)
+        list.clear(self)
+        for ack in acks:
+            reporter.consumed(ack)
+
+
+class AckReporter:
+    """Turns one queue's consumed acks into deferred transfer records of one operation (``backup`` for the write
+    queue, ``load_back`` for the load queue) for one telemetry."""
+
+    __slots__ = ("_build", "_defer", "_fail", "forgetting", "io_backend", "links", "operation", "policy", "submitted")
+
+    def __init__(
+        self,
+        telemetry: HiCacheTelemetry,
+        cc: Any,
+        direction: str,
+        links: dict[int, tuple[SpanContext, ...]],
+        fail: Callable[[], None],
+    ) -> None:
+        write = direction is _WRITE
+        self.operation = TransferOperation.BACKUP if write else TransferOperation.LOAD_BACK
+        self.policy: str | None = cc.write_policy if write else None
+        self.io_backend: str | None = cc.io_backend or None
+        self.links = links  # ack id -> request spans it serves (request tracing on); shared by both queues
+        self.submitted: dict[int, _Submitted | None] = {}  # id(ack) -> submission; None: under suppression
+        self.forgetting = False  # HiCacheController.reset is clearing the queue: its acks were never consumed
+        self._defer = telemetry.record_transfer_deferred
+        self._build = self.record
+        self._fail = fail
+
+    def submit(self, ack: Any, submitted: _Submitted | None) -> None:
+        table = self.submitted
+        table[id(ack)] = submitted
+        if len(table) > MAX_PENDING:
+            del table[next(iter(table))]
+
+    def consumed(self, ack: Any) -> None:
+        """On the scheduler thread, as the ack leaves its queue: one tuple appended, nothing else."""
+        try:
+            submitted = self.submitted.pop(id(ack), _UNSEEN)
+            if submitted is None:
+                return  # submitted inside suppress_instrumentation(): not reported
+            served: tuple[SpanContext, ...] = ()
+            links = self.links
+            if links:  # request tracing on: the request spans this ack's transfers served
+                served = tuple(context for ack_id in ack.node_ids for context in links.pop(ack_id, ()))
+            self._defer(self._build, (ack, submitted, monotonic_ns(), served))
+        except Exception:
+            self._fail()
+
+    def record(self, payload: tuple[Any, _Submitted, int, tuple[SpanContext, ...]]) -> TransferRecord:
+        """The transfer record of one consumed ack (on the telemetry's host thread, off the scheduler thread)."""
+        ack, (submit_ns, merged), done_ns, served = payload
+        duration = None
+        if ack.timing_enabled:  # the ack was consumed, so its finish event is complete: no sync here
+            duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
+        complete = ANCHOR.to_epoch_ns(done_ns)
+        return TransferRecord(
+            operation=self.operation,
+            tokens_by_pool=ack.num_tokens_by_pool or {},
+            num_bytes=ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
+            submit_time_ns=complete if submit_ns is None else ANCHOR.to_epoch_ns(submit_ns),
+            complete_time_ns=complete,
+            copy_duration_s=duration,
+            timing_source=TimingSource.NONE if duration is None else TimingSource.CUDA_EVENT,
+            merged_ops=merged,
+            node_count=len(ack.node_ids),
+            write_policy=self.policy,
+            io_backend=self.io_backend,
+            links=served,
+        )
 
 
 class HiCacheHooks:
@@ -74,10 +171,12 @@ class HiCacheHooks:
     ) -> None:
         self.telemetry = telemetry
         self._create = create
-        # Per-controller state lives on the controller itself (one attribute read per hook call); the weak
-        # dictionary is only the fallback for a controller that takes no new attributes.
-        self._attr = f"_otel_hicache_acks_{id(self):x}"
-        self._states: weakref.WeakKeyDictionary[Any, _ControllerState] = weakref.WeakKeyDictionary()
+        # Per-controller request links live on the controller itself (one attribute read); the weak dictionary is
+        # only the fallback for a controller that takes no new attributes.
+        self._attr = f"_otel_hicache_links_{id(self):x}"
+        self._links_of: weakref.WeakKeyDictionary[Any, dict[int, tuple[SpanContext, ...]]] = weakref.WeakKeyDictionary()
+        # Every queue reporting to these hooks, by id (a list is unhashable).
+        self._queues: weakref.WeakValueDictionary[int, AckQueue] = weakref.WeakValueDictionary()
         self._failed: set[str] = set()
         self._lock = threading.Lock()
         self._admitted_input: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # per PrefillAdder
@@ -108,62 +207,97 @@ class HiCacheHooks:
                     _log.warning("otel_hicache: SGLang HiCache is not reported in this process: %s", exc)
         return self.telemetry
 
-    def _state(self, controller: Any) -> _ControllerState:
-        state = getattr(controller, self._attr, None)
-        if state is not None:
-            return state
+    def _links(self, controller: Any) -> dict[int, tuple[SpanContext, ...]]:
+        links = getattr(controller, self._attr, None)
+        if links is not None:
+            return links
         with self._lock:
-            state = self._states.get(controller)
-            if state is None:
-                state = _ControllerState()
+            links = self._links_of.get(controller)
+            if links is None:
+                links = {}
                 try:
-                    setattr(controller, self._attr, state)
+                    setattr(controller, self._attr, links)
                 except (AttributeError, TypeError):  # __slots__ or a frozen object
-                    self._states[controller] = state
-        return state
+                    self._links_of[controller] = links
+        return links
+
+    def detach(self) -> None:
+        """Stop every adopted ack queue reporting (``uninstrument()``): each stays a plain list for SGLang."""
+        for queue in list(self._queues.values()):
+            queue.reporter = None
+        self._queues.clear()
 
     # ------------------------------------------------------------------ submission: HiCacheController
+    @checks_suppression
     def start_writing(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         return self._submit(wrapped, instance, args, kwargs, _WRITE)
 
+    @checks_suppression
     def start_loading(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         return self._submit(wrapped, instance, args, kwargs, _LOAD)
 
     def _submit(self, wrapped: Callable[..., Any], cc: Any, args: tuple, kwargs: dict, direction: str) -> Any:
+        """Note the submission time and merged-op count of the ack ``wrapped`` appends (adopting the queue first)."""
         try:
-            if direction is _WRITE:
-                acks, merged = cc.ack_write_queue, len(cc.write_queue)
-            else:
-                acks, merged = cc.ack_load_queue, len(cc.load_queue)
-            n_acks = len(acks)
-            submit_ns = now_ns() if merged else 0
+            merged = len(cc.write_queue if direction is _WRITE else cc.load_queue)
+            queue = self._queue(cc, direction) if merged else None  # no pending op: no ack, nothing to note
+            if queue is not None:
+                n_acks, submit_ns = len(queue), monotonic_ns()
         except Exception:
             self._fail(_SUBMIT_HOOK[direction])
             return wrapped(*args, **kwargs)
-        result = wrapped(*args, **kwargs)
-        if merged:
-            try:
-                if len(acks) > n_acks:  # one merged op became one ack, appended last
-                    state = self._state(cc)
-                    mirror = state.write if direction is _WRITE else state.load
-                    mirror.append((acks[-1], submit_ns, merged))
-                    if len(mirror) > MAX_PENDING:
-                        del mirror[0]  # the mirror no longer matches; the next check resynchronises
-            except Exception:
-                self._fail(_SUBMIT_HOOK[direction])
-        return result
-
-    def reset(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``HiCacheController.reset`` clears the ack queues: forget their acks, they were never consumed."""
+        if queue is None:
+            return wrapped(*args, **kwargs)
         result = wrapped(*args, **kwargs)
         try:
-            state = self._state(instance)
-            state.write.clear()
-            state.load.clear()
-            state.links.clear()
+            reporter = queue.reporter
+            if len(queue) > n_acks and reporter is not None:  # one merged op became one ack, appended last
+                reporter.submit(queue[-1], (submit_ns, merged) if is_instrumentation_enabled() else None)
+        except Exception:
+            self._fail(_SUBMIT_HOOK[direction])
+        return result
+
+    def _queue(self, cc: Any, direction: str) -> AckQueue | None:
+        """``cc``'s ack queue for ``direction``, reporting to these hooks (adopted now if need be); None while there
+        is no telemetry. Runs on the scheduler thread, the only one that touches the queue."""
+        name = _QUEUE[direction]
+        queue = getattr(cc, name)
+        if type(queue) is AckQueue and self._queues.get(id(queue)) is queue:
+            return queue
+        telemetry = self._sink()
+        if telemetry is None:
+            return None
+        fail = functools.partial(self._fail, f"{name} report")
+        reporter = AckReporter(telemetry, cc, direction, self._links(cc), fail)
+        if type(queue) is AckQueue:  # adopted by an earlier instrument(): report again, to this telemetry
+            queue.reporter = reporter
+        else:
+            queue = AckQueue(queue, reporter)
+            setattr(cc, name, queue)
+        self._queues[id(queue)] = queue
+        return queue
+
+    @checks_suppression
+    def reset(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``HiCacheController.reset`` clears the ack queues: their acks are forgotten, they were never consumed
+        (also inside suppress_instrumentation(), where a clear would otherwise count as consumption)."""
+        try:
+            reporters = [
+                queue.reporter
+                for queue in (getattr(instance, name, None) for name in _QUEUE.values())
+                if type(queue) is AckQueue and queue.reporter is not None
+            ]
+            for reporter in reporters:
+                reporter.forgetting = True
         except Exception:
             self._fail("reset")
-        return result
+            return wrapped(*args, **kwargs)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            for reporter in reporters:
+                reporter.forgetting = False
+            self._links(instance).clear()
 
     # ------------------------------------------------------------------ request links (SGLang request tracing on)
     def load_back(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -195,7 +329,7 @@ class HiCacheHooks:
         try:
             new = ongoing.keys() - before
             if new and cache.cache_controller is not None:
-                links = self._state(cache.cache_controller).links
+                links = self._links(cache.cache_controller)
                 context = span.get_span_context()
                 for ack_id in new:
                     links[ack_id] = (*links.get(ack_id, ()), context)
@@ -204,90 +338,6 @@ class HiCacheHooks:
         except Exception:
             self._fail(hook)
         return result
-
-    # ------------------------------------------------------------------ completion: UnifiedRadixCache
-    def writing_check(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        return self._check(wrapped, instance, args, kwargs, _WRITE)
-
-    def loading_check(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        return self._check(wrapped, instance, args, kwargs, _LOAD)
-
-    def decode_offload_check(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``DecodeKVCacheOffloadManager._check_offload_progress(finish_count)``: PD decode's own consumer of its
-        controller's write acks (device -> host offloads), reported as backups like ``writing_check``'s."""
-        if (args[0] if args else kwargs.get("finish_count", 1)) == 0:
-            return wrapped(*args, **kwargs)  # the step with no completed offload consumes nothing: no bookkeeping
-        return self._check(wrapped, instance, args, kwargs, _WRITE)
-
-    def _check(self, wrapped: Callable[..., Any], cache: Any, args: tuple, kwargs: dict, direction: str) -> Any:
-        if not args and kwargs.get("finish_count", 1) == 0 and not kwargs.get("write_back"):
-            return wrapped(**kwargs)  # the scheduler's step with no completed ack consumes nothing: no bookkeeping
-        try:
-            cc = cache.cache_controller
-            if cc is None:
-                return wrapped(*args, **kwargs)
-            state = self._state(cc)
-            if direction is _WRITE:
-                acks, mirror = cc.ack_write_queue, state.write
-            else:
-                acks, mirror = cc.ack_load_queue, state.load
-            n = len(acks)
-            before = None  # the mirror matches the queue: nothing to copy
-            if len(mirror) != n or (n and (mirror[0][0] is not acks[0] or mirror[-1][0] is not acks[-1])):
-                before = (acks[:], len(mirror))  # acks we did not see submitted: the careful path
-        except Exception:
-            self._fail(_CHECK_HOOK[direction])
-            return wrapped(*args, **kwargs)
-        result = wrapped(*args, **kwargs)
-        try:
-            if before is None:
-                consumed = len(mirror) - len(acks)  # acks submitted during the check (write-back) are in both
-                if consumed > 0:
-                    if acks and mirror[consumed][0] is not acks[0]:  # not FIFO after all: go by identity
-                        self._resync(cc, acks, mirror, [entry[0] for entry in mirror], len(mirror), direction)
-                    else:
-                        done = mirror[:consumed]
-                        del mirror[:consumed]
-                        self._emit_all(cc, done, direction)
-            else:
-                self._resync(cc, acks, mirror, *before, direction)
-        except Exception:
-            self._fail(_CHECK_HOOK[direction])
-        return result
-
-    def _resync(self, cc: Any, acks: list, mirror: list, before: list, mirrored: int, direction: str) -> None:
-        """Report the acks of ``before`` (and those submitted during the check) that left the queue, by identity,
-        then rebuild the mirror from the queue. Acks queued before instrumentation have no submission time."""
-        live = {id(a) for a in acks}
-        known = {id(entry[0]): entry for entry in mirror}
-        done: list[_Pending] = []
-        for ack in before:
-            if id(ack) not in live:
-                done.append(known.pop(id(ack), None) or (ack, None, 1))
-        for entry in mirror[mirrored:]:  # submitted during the check: not in ``before``
-            if id(entry[0]) not in live and id(entry[0]) in known:
-                done.append(known.pop(id(entry[0])))
-        mirror[:] = [known.get(id(a)) or (a, None, 1) for a in acks]
-        self._emit_all(cc, done, direction)
-
-    def _emit_all(self, cc: Any, done: list[_Pending], direction: str) -> None:
-        """Queue each consumed ack for the telemetry worker: on this (scheduler) thread only an append per ack."""
-        done_ns = now_ns()
-        if direction is _WRITE:
-            operation, policy = TransferOperation.BACKUP, cc.write_policy
-        else:
-            operation, policy = TransferOperation.LOAD_BACK, None
-        io_backend = cc.io_backend or None
-        telemetry = self._sink()
-        if telemetry is None:
-            return
-        defer = telemetry.record_transfer_deferred
-        links = self._state(cc).links
-        for ack, submit_ns, merged in done:
-            served: tuple[SpanContext, ...] = ()
-            if links:  # request tracing on: the request spans this ack's transfers served
-                served = tuple(context for ack_id in ack.node_ids for context in links.pop(ack_id, ()))
-            defer(_ack_record, (ack, submit_ns, done_ns, merged, operation, policy, io_backend, served))
 
     # ------------------------------------------------------------------ eviction and drops: UnifiedRadixCache
     def evict(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -475,25 +525,3 @@ def _size_per_token(pool: Any) -> int:
     """Bytes per token of a host pool; 0 where the pool does not say (a pool group)."""
     size = getattr(pool, "size_per_token", 0)
     return size if isinstance(size, int) and size > 0 else 0
-
-
-def _ack_record(payload: tuple[Any, ...]) -> TransferRecord:
-    """One consumed ``HiCacheAck`` as a transfer record (runs on the telemetry worker, off the scheduler thread)."""
-    ack, submit_ns, done_ns, merged, operation, policy, io_backend, links = payload
-    duration = None
-    if ack.timing_enabled:  # the ack was consumed, so its finish event is complete: no sync here
-        duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
-    return TransferRecord(
-        operation=operation,
-        tokens_by_pool=ack.num_tokens_by_pool or {},
-        num_bytes=ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
-        submit_time_ns=done_ns if submit_ns is None else submit_ns,
-        complete_time_ns=done_ns,
-        copy_duration_s=duration,
-        timing_source=TimingSource.NONE if duration is None else TimingSource.CUDA_EVENT,
-        merged_ops=merged,
-        node_count=len(ack.node_ids),
-        write_policy=policy,
-        io_backend=io_backend,
-        links=links,
-    )

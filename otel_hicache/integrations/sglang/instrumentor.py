@@ -17,7 +17,6 @@ from otel_hicache.telemetry import HiCacheTelemetry
 _CONTROLLER = "sglang.srt.managers.cache_controller"
 _TREE = "sglang.srt.mem_cache.unified_radix_cache"
 _POLICY = "sglang.srt.managers.schedule_policy"
-_DECODE_OFFLOAD = "sglang.srt.disaggregation.decode_kvcache_offload_manager"
 
 #: Every HiCache patch, in one table: (target, name of the :class:`HiCacheHooks` method that wraps it).
 _TARGETS: Final[tuple[tuple[Target, str], ...]] = (
@@ -25,9 +24,6 @@ _TARGETS: Final[tuple[tuple[Target, str], ...]] = (
     (Target(_CONTROLLER, "HiCacheController", "start_loading"), "start_loading"),
     (Target(_CONTROLLER, "HiCacheController", "reset"), "reset"),
     (Target(_CONTROLLER, "HiCacheController", "_page_backup_or_log"), "storage_backup"),
-    (Target(_TREE, "UnifiedRadixCache", "writing_check"), "writing_check"),
-    (Target(_TREE, "UnifiedRadixCache", "loading_check"), "loading_check"),
-    (Target(_DECODE_OFFLOAD, "DecodeKVCacheOffloadManager", "_check_offload_progress"), "decode_offload_check"),
     (Target(_TREE, "UnifiedRadixCache", "load_back"), "load_back"),
     (Target(_TREE, "UnifiedRadixCache", "checkpoint_into_tree"), "checkpoint"),
     (Target(_TREE, "UnifiedRadixCache", "advance_unpublished_req"), "checkpoint"),
@@ -86,6 +82,11 @@ class SGLangHiCacheInstrumentor(EngineInstrumentor):
         telemetry, self._setup = ranked_telemetry()
         self._telemetry, self._owns_telemetry = telemetry, False  # the setup owns it (shut down at exit)
         return telemetry
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        if self._hooks is not None:
+            self._hooks.detach()  # adopted ack queues stay lists for SGLang and stop reporting
+        super()._uninstrument(**kwargs)
 
     def _wrappers(self, telemetry: HiCacheTelemetry, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
         if telemetry is _LAZY:  # once built, a process's telemetry is kept across uninstrument/instrument
