@@ -1,5 +1,5 @@
-"""A synthetic ack path that mirrors SGLang 0.5.23's ``writing_check`` / ``loading_check``, and the four reporters
-the benchmarks compare on it.
+"""A synthetic ack path that mirrors SGLang 0.5.23's ``writing_check`` / ``loading_check``, and the reporters the
+benchmarks compare on it.
 
 The controller keeps the same structures and does the same per-ack work as ``UnifiedRadixCache``: a FIFO list of
 ``HiCacheAck``-shaped acks, ``pop(0)``, ``finish_event.synchronize()`` on an event already complete, release of the
@@ -10,7 +10,10 @@ nodes the ack served (pop from the ongoing map, lock count down), then the metri
   labels ``cache_type, tp_rank, pp_rank, dp_rank`` (the baseline users have today);
 * ``naive_otel``: a synchronous OTel SDK path, one span plus counters and a histogram per ack;
 * ``otel_hicache``: build a :class:`~otel_hicache.records.TransferRecord` and call
-  :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer` (spans on).
+  :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer` (spans on);
+* ``otel_hicache_deferred``: hand the ack over with
+  :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_deferred`, as the SGLang adapter does; the record
+  is built on the telemetry's host thread.
 """
 
 from __future__ import annotations
@@ -325,19 +328,21 @@ class OtelHiCacheReporter(Reporter):
         self._flush = flush
 
     def _report(self, op: TransferOperation, ack: Ack) -> None:
+        self.telemetry.record_transfer(self._record((op, ack, now_ns())))
+
+    def _record(self, payload: tuple[TransferOperation, Ack, int]) -> TransferRecord:
+        op, ack, complete_ns = payload
         duration = elapsed_seconds(ack.start_event, ack.finish_event, ack.timing_enabled)
-        self.telemetry.record_transfer(
-            TransferRecord(
-                op,
-                ack.num_tokens_by_pool or {},
-                ack.num_bytes,
-                ack.submit_time_ns,
-                now_ns(),
-                duration,
-                self._source if duration is not None else TimingSource.NONE,
-                1,
-                len(ack.node_ids),
-            )
+        return TransferRecord(
+            op,
+            ack.num_tokens_by_pool or {},
+            ack.num_bytes,
+            ack.submit_time_ns,
+            complete_ns,
+            duration,
+            self._source if duration is not None else TimingSource.NONE,
+            1,
+            len(ack.node_ids),
         )
 
     def write_ack(self, ack: Ack) -> None:
@@ -351,3 +356,13 @@ class OtelHiCacheReporter(Reporter):
             self._flush()
         else:
             self.telemetry.flush()
+
+
+class DeferredOtelHiCacheReporter(OtelHiCacheReporter):
+    """The otel_hicache path as the SGLang adapter reports: the ack is handed over with
+    ``record_transfer_deferred`` and its record is built and counted on the telemetry's host thread."""
+
+    name = "otel_hicache_deferred"
+
+    def _report(self, op: TransferOperation, ack: Ack) -> None:
+        self.telemetry.record_transfer_deferred(self._record, (op, ack, now_ns()))
