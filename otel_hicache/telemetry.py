@@ -12,8 +12,9 @@ What the host process pays (the scheduler thread is latency-critical, and every 
   and the ring live in memory the export process maps, so what the host counted is exported even after a SIGKILL.
   In-process (the embedded default, or providers handed to this class), a consumer thread does the same work in
   slices of at most ~100 us, pausing between them so the scheduler thread gets the GIL back.
-* :meth:`HiCacheTelemetry.record_transfer_deferred` only appends ``(build, payload)`` to a bounded queue; a host
-  thread builds and counts the record in short slices. When the queue is full the record is shed and counted
+* :meth:`HiCacheTelemetry.record_transfer_deferred` only appends ``(build, payload)`` to a bounded queue, and a
+  producer's own :meth:`HiCacheTelemetry.deferred_queue` (:mod:`otel_hicache.deferred`) takes an entry with two C
+  calls; a host thread builds and counts the records in short slices. Past the bound the oldest is shed and counted
   (``otel_hicache.records.rejected{problem=queue_full}``), never built on the caller's thread; a hung ``build``
   delays only that thread.
 * Nothing raises into the caller: a malformed record is refused whole with a one-time warning and counted in
@@ -27,7 +28,6 @@ What the host process pays (the scheduler thread is latency-critical, and every 
 from __future__ import annotations
 
 import atexit
-import collections
 import logging
 import os
 import threading
@@ -43,6 +43,7 @@ from otel_hicache import semconv as sc
 from otel_hicache import validation
 from otel_hicache.accumulation import Layout
 from otel_hicache.channel import EXPORTER_PID, HEADER_INTS, Channel
+from otel_hicache.deferred import Build, DeferredQueue
 from otel_hicache.export import Emitter
 from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferFailure, TransferRecord
 from otel_hicache.semconv import Problem, RecordKind
@@ -120,7 +121,9 @@ class HiCacheTelemetry:
         self._warned: set[tuple[str, str]] = set()
         self._pool_sources: list[PoolSource] = []
         self._pools_reported = False  # the gauges hold a reading (cleared once the last source is gone)
-        self._deferred: collections.deque[tuple[Callable[[Any], TransferRecord], Any]] = collections.deque()
+        # record_transfer_deferred's queue first, then the producers' own (deferred_queue())
+        self._deferred = DeferredQueue(_build_deferred_call, max_queue)
+        self._queues: list[DeferredQueue] = [self._deferred]
         self._building = False
         self._closed = False
         self._worker: threading.Thread | None = None
@@ -228,23 +231,36 @@ class HiCacheTelemetry:
             self._next_liveness_check = time.monotonic() + 1.0
             self._consumer.revive()
 
-    def record_transfer_deferred(self, build: Callable[[Any], TransferRecord], payload: Any) -> None:
+    def record_transfer_deferred(self, build: Build, payload: Any) -> None:
         """Hand over the makings of a transfer record; ``build(payload)`` runs later, off the calling thread.
 
-        For the tightest hot paths (an engine's ack loop): the calling thread only appends ``(build, payload)`` to
-        a bounded queue. A host thread builds the record and counts it, in short slices; :meth:`snapshot`,
-        :meth:`flush` and every in-process collection wait (bounded) for what is queued to be counted first.
-        ``payload`` must not change after the call (an SGLang ``HiCacheAck`` is immutable). A ``build`` that raises
-        or returns something that is not a record is counted in ``otel_hicache.records.rejected``. When the queue
-        is full the record is shed and counted, never built here. Never raises, never waits.
+        For hot paths (an engine's ack loop): the calling thread only appends ``(build, payload)`` to a bounded
+        queue. A host thread builds the record and counts it, in short slices; :meth:`snapshot`, :meth:`flush` and
+        every in-process collection wait (bounded) for what is queued to be counted first. ``payload`` must not
+        change after the call (an SGLang ``HiCacheAck`` is immutable). ``build`` returns the record, or None when
+        there is nothing to report; one that raises or returns something else is counted in
+        ``otel_hicache.records.rejected``. Past ``max_queue`` unbuilt records the oldest is shed and counted, never
+        built here. Never raises, never waits. The tightest paths use :meth:`deferred_queue` instead.
         """
-        deferred = self._deferred
-        if len(deferred) >= self._max_queue or self._closed:
+        if self._closed:
             self._reject(RecordKind.TRANSFER, Problem.QUEUE_FULL)
             return
-        deferred.append((build, payload))
+        queue = self._deferred
+        queue.put((next(queue.seq), (build, payload)))
         if self._worker is None:
             self._start_worker()
+
+    def deferred_queue(self, build: Build) -> DeferredQueue:
+        """A queue of this producer's own for the tightest hot paths (SGLang's ack queues): the producer appends
+        ``(next(queue.seq), payload)`` with ``queue.put``, two C calls and no Python frame; the host thread builds
+        each entry with ``build(payload)`` (a record, or None) as :meth:`record_transfer_deferred` does. At most
+        ``max_queue`` unbuilt entries; shed ones are counted. ``queue.close()`` when the producer is done. Never
+        raises."""
+        queue = DeferredQueue(build, self._max_queue)
+        self._queues.append(queue)
+        if self._worker is None:
+            self._start_worker()
+        return queue
 
     def record_failure(self, failure: TransferFailure) -> None:
         """Count a transfer that could not be issued or completed. Never raises."""
@@ -362,13 +378,7 @@ class HiCacheTelemetry:
 
     def _shed_deferred(self) -> None:
         """Count every deferred record that will never be built (the host thread has stopped)."""
-        shed = 0
-        while True:
-            try:
-                self._deferred.popleft()
-            except IndexError:
-                break
-            shed += 1
+        shed = sum(queue.discard() for queue in list(self._queues))
         if shed:
             self._add([(self._rejected_slot[RecordKind.TRANSFER, Problem.QUEUE_FULL], shed)])
             self._warn_once(RecordKind.TRANSFER, Problem.QUEUE_FULL, "deferred records not built before shutdown")
@@ -444,33 +454,43 @@ class HiCacheTelemetry:
         return busy
 
     def _build_deferred(self, budget_ns: int) -> bool:
-        """Build and count deferred records, oldest first, for at most ``budget_ns``. True if some remain."""
-        deferred = self._deferred
+        """Build and count deferred records, each queue oldest first, for at most ``budget_ns``. True if some
+        remain. Only the host thread takes from the queues."""
         end = time.perf_counter_ns() + budget_ns
-        while deferred:
-            self._building = True
-            try:
-                build, payload = deferred.popleft()
+        for queue in list(self._queues):
+            while queue:
+                self._building = True
                 try:
-                    record = build(payload)
-                except Exception:
-                    self._reject(RecordKind.TRANSFER, Problem.BUILD_FAILED)
-                    continue
-                self.record_transfer(record)  # not a record: refused as malformed
-            finally:
-                self._building = False
-            if time.perf_counter_ns() >= end:
-                return bool(deferred)
+                    shed, payload = queue.take()
+                    if shed:
+                        self._add([(self._rejected_slot[RecordKind.TRANSFER, Problem.QUEUE_FULL], shed)])
+                        self._warn_once(RecordKind.TRANSFER, Problem.QUEUE_FULL, "deferred records shed")
+                    try:
+                        record = queue.build(payload)
+                    except Exception:
+                        self._reject(RecordKind.TRANSFER, Problem.BUILD_FAILED)
+                        continue
+                    if record is not None:
+                        self.record_transfer(record)  # not a record: refused as malformed
+                finally:
+                    self._building = False
+                if time.perf_counter_ns() >= end:
+                    return any(self._queues)
+            if queue.closed and not queue:
+                self._queues.remove(queue)
         return False
+
+    def _unbuilt(self) -> bool:
+        return self._building or any(self._queues)
 
     def _settle(self, timeout_s: float) -> bool:
         """Wait (bounded) until every deferred record has been built and counted by the host thread."""
-        if not self._deferred and not self._building:
+        if not self._unbuilt():
             return True
         if self._worker is None or threading.current_thread() is self._worker:
             return False
         deadline = time.monotonic() + timeout_s
-        while self._deferred or self._building:
+        while self._unbuilt():
             if time.monotonic() >= deadline:
                 return False
             self._wake.set()
@@ -527,7 +547,8 @@ class HiCacheTelemetry:
         self._wake = threading.Event()
         self._worker = None
         self._building = False
-        self._deferred.clear()
+        for queue in self._queues:
+            queue.discard()  # the parent's entries: built and counted by the parent
         self._consumer_started = False
         if not self._shared:  # a private mapping: the child's own copy
             self._channel.reset()
@@ -616,6 +637,11 @@ class InProcessConsumer:
 
 def _nothing() -> None:
     return None
+
+
+def _build_deferred_call(payload: tuple[Build, Any]) -> TransferRecord | None:
+    """record_transfer_deferred's entries: ``(build, payload)``."""
+    return payload[0](payload[1])
 
 
 def _run(ref: weakref.ref[HiCacheTelemetry], wake: threading.Event) -> None:

@@ -63,8 +63,8 @@ SGLang discards after it arrived is still a completed ``storage_prefetch`` trans
 tokens times its bytes per token (0 where the host pool is a group that does not state a size).
 
 Cost on the scheduler thread: the completion checks are not wrapped (a check that consumes nothing costs nothing);
-each consumed ack costs one ``(ack, submission, time)`` tuple handed to
-:meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_deferred`, and the record is built and counted on the
+each consumed ack costs one entry put on its queue's :class:`~otel_hicache.deferred.DeferredQueue`
+(:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`), and the record is built and counted on the
 telemetry's host thread. ``.venv-sglang/bin/python -m benchmarks sglang`` measures the cost per ack against SGLang's
 own prometheus metrics, for both ways ``writing_check`` is called (see the README's Overhead table).
 

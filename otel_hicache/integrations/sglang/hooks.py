@@ -12,7 +12,8 @@ by an :class:`AckQueue` (a ``list``, with the same acks) whose ``pop`` and ``cle
 Every consumer of SGLang 0.5.23 is covered that way - ``writing_check`` (``pop(0)``; ``clear()`` under write-back),
 ``loading_check`` (``pop(0)``), PD decode's ``DecodeKVCacheOffloadManager._check_offload_progress`` (``pop(0)``) - and
 the checks themselves run unwrapped: a check that consumes nothing costs nothing, and a consumed ack costs its
-scheduler thread one appended tuple (the record is built and counted on the telemetry's host thread).
+scheduler thread one entry put on a :class:`~otel_hicache.deferred.DeferredQueue` (two C calls); the record is built
+and counted on the telemetry's host thread.
 
 Failure rule: if a wrapper's own code fails it logs once per hook and the host's call goes on untouched; an
 exception raised by SGLang's method propagates exactly as without instrumentation.
@@ -20,7 +21,6 @@ exception raised by SGLang's method propagates exactly as without instrumentatio
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -32,6 +32,7 @@ from typing import Any, SupportsIndex
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from opentelemetry.trace import Span, SpanContext
 
+from otel_hicache.deferred import DeferredQueue
 from otel_hicache.integrations._base import checks_suppression
 from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferRecord
 from otel_hicache.semconv import (
@@ -56,88 +57,87 @@ _WRITE = "write"
 _LOAD = "load"
 _SUBMIT_HOOK = {_WRITE: "start_writing", _LOAD: "start_loading"}
 _QUEUE = {_WRITE: "ack_write_queue", _LOAD: "ack_load_queue"}
+_ONGOING = {_WRITE: "ongoing_write_through", _LOAD: "ongoing_load_back"}
 _Submitted = tuple["int | None", int]  # (submit time in monotonic ns, or None when unknown; merged ops)
 _UNSEEN: _Submitted = (None, 1)  # an ack queued before its queue was adopted
+#: ack id -> ((when it was linked, in monotonic ns), request span) of the requests its next transfer serves
+_Links = dict[int, tuple[tuple[int, SpanContext], ...]]
 
 
 class AckQueue(list[Any]):  # SGLang's List[HiCacheAck]
     """A controller's ack queue as SGLang uses it (a ``list``; appending and reading are untouched) that hands each
-    ack leaving through ``pop`` or ``clear`` to its reporter. ``reporter`` None: a plain list (uninstrumented)."""
+    ack leaving through ``pop`` or ``clear`` to the telemetry's host thread: one entry put on a
+    :class:`~otel_hicache.deferred.DeferredQueue`, two C calls. Detached (uninstrumented): a plain list."""
 
-    __slots__ = ("__weakref__", "reporter")
+    __slots__ = ("__weakref__", "_deferred", "reporter")
 
-    def __init__(self, acks: Iterable[Any], reporter: AckReporter) -> None:
+    def __init__(self, acks: Iterable[Any]) -> None:
         super().__init__(acks)
-        self.reporter: AckReporter | None = reporter
+        self.reporter: AckReporter | None = None
+        self._deferred: DeferredQueue | None = None
+
+    def attach(self, reporter: AckReporter, deferred: DeferredQueue) -> None:
+        self.reporter, self._deferred = reporter, deferred
+
+    def detach(self) -> None:
+        deferred, self._deferred, self.reporter = self._deferred, None, None
+        if deferred is not None:
+            deferred.close()
 
     def pop(self, index: SupportsIndex = -1) -> Any:
         ack = list.pop(self, index)
-        reporter = self.reporter
-        if reporter is not None:
-            reporter.consumed(ack)
+        deferred = self._deferred
+        if deferred is not None:
+            deferred.put((next(deferred.seq), (ack, monotonic_ns())))
         return ack
 
     def clear(self) -> None:
-        reporter = self.reporter
-        if reporter is None or reporter.forgetting:
+        deferred, reporter = self._deferred, self.reporter
+        if deferred is None or reporter is None:
             list.clear(self)
-            if reporter is not None:
-                reporter.submitted.clear()
-            return
-        acks = list(self)
-        list.clear(self)
-        for ack in acks:
-            reporter.consumed(ack)
+        elif reporter.forgetting:  # HiCacheController.reset: these acks were never consumed
+            for ack in self:
+                reporter.submitted.pop(id(ack), None)
+            list.clear(self)
+        else:  # write-back's writing_check, after synchronising every ack
+            acks, done_ns = list(self), monotonic_ns()
+            list.clear(self)
+            for ack in acks:
+                deferred.put((next(deferred.seq), (ack, done_ns)))
 
 
 class AckReporter:
-    """Turns one queue's consumed acks into deferred transfer records of one operation (``backup`` for the write
-    queue, ``load_back`` for the load queue) for one telemetry."""
+    """Builds one queue's consumed acks into transfer records of one operation (``backup`` for the write queue,
+    ``load_back`` for the load queue), on the telemetry's host thread."""
 
-    __slots__ = ("_build", "_defer", "_fail", "forgetting", "io_backend", "links", "operation", "policy", "submitted")
+    __slots__ = ("forgetting", "io_backend", "links", "operation", "policy", "submitted")
 
-    def __init__(
-        self,
-        telemetry: HiCacheTelemetry,
-        cc: Any,
-        direction: str,
-        links: dict[int, tuple[SpanContext, ...]],
-        fail: Callable[[], None],
-    ) -> None:
+    def __init__(self, cc: Any, direction: str, links: _Links) -> None:
         write = direction is _WRITE
         self.operation = TransferOperation.BACKUP if write else TransferOperation.LOAD_BACK
         self.policy: str | None = cc.write_policy if write else None
         self.io_backend: str | None = cc.io_backend or None
-        self.links = links  # ack id -> request spans it serves (request tracing on); shared by both queues
+        self.links = links  # request tracing on: the request spans this direction's transfers serve
         self.submitted: dict[int, _Submitted | None] = {}  # id(ack) -> submission; None: under suppression
         self.forgetting = False  # HiCacheController.reset is clearing the queue: its acks were never consumed
-        self._defer = telemetry.record_transfer_deferred
-        self._build = self.record
-        self._fail = fail
 
     def submit(self, ack: Any, submitted: _Submitted | None) -> None:
+        """On the scheduler thread, after the ack was appended (the host thread reads it once it is consumed)."""
         table = self.submitted
         table[id(ack)] = submitted
         if len(table) > MAX_PENDING:
-            del table[next(iter(table))]
+            _drop_oldest(table)
 
-    def consumed(self, ack: Any) -> None:
-        """On the scheduler thread, as the ack leaves its queue: one tuple appended, nothing else."""
-        try:
-            submitted = self.submitted.pop(id(ack), _UNSEEN)
-            if submitted is None:
-                return  # submitted inside suppress_instrumentation(): not reported
-            served: tuple[SpanContext, ...] = ()
-            links = self.links
-            if links:  # request tracing on: the request spans this ack's transfers served
-                served = tuple(context for ack_id in ack.node_ids for context in links.pop(ack_id, ()))
-            self._defer(self._build, (ack, submitted, monotonic_ns(), served))
-        except Exception:
-            self._fail()
-
-    def record(self, payload: tuple[Any, _Submitted, int, tuple[SpanContext, ...]]) -> TransferRecord:
-        """The transfer record of one consumed ack (on the telemetry's host thread, off the scheduler thread)."""
-        ack, (submit_ns, merged), done_ns, served = payload
+    def record(self, payload: tuple[Any, int]) -> TransferRecord | None:
+        """The transfer record of one consumed ack (host thread); None if it was submitted under suppression."""
+        ack, done_ns = payload
+        submitted = self.submitted.pop(id(ack), _UNSEEN)  # the ack is alive in the payload: its id is its own
+        if submitted is None:
+            return None  # submitted inside suppress_instrumentation(): not reported
+        submit_ns, merged = submitted
+        served: tuple[SpanContext, ...] = ()
+        if self.links:
+            served = _served(self.links, ack.node_ids, done_ns)
         duration = None
         if ack.timing_enabled:  # the ack was consumed, so its finish event is complete: no sync here
             duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
@@ -174,7 +174,7 @@ class HiCacheHooks:
         # Per-controller request links live on the controller itself (one attribute read); the weak dictionary is
         # only the fallback for a controller that takes no new attributes.
         self._attr = f"_otel_hicache_links_{id(self):x}"
-        self._links_of: weakref.WeakKeyDictionary[Any, dict[int, tuple[SpanContext, ...]]] = weakref.WeakKeyDictionary()
+        self._links_of: weakref.WeakKeyDictionary[Any, dict[str, _Links]] = weakref.WeakKeyDictionary()
         # Every queue reporting to these hooks, by id (a list is unhashable).
         self._queues: weakref.WeakValueDictionary[int, AckQueue] = weakref.WeakValueDictionary()
         self._failed: set[str] = set()
@@ -207,14 +207,15 @@ class HiCacheHooks:
                     _log.warning("otel_hicache: SGLang HiCache is not reported in this process: %s", exc)
         return self.telemetry
 
-    def _links(self, controller: Any) -> dict[int, tuple[SpanContext, ...]]:
+    def _links(self, controller: Any) -> dict[str, _Links]:
+        """``controller``'s request links, per direction (a load-back's request is never linked to a backup)."""
         links = getattr(controller, self._attr, None)
         if links is not None:
             return links
         with self._lock:
             links = self._links_of.get(controller)
             if links is None:
-                links = {}
+                links = {_WRITE: {}, _LOAD: {}}
                 try:
                     setattr(controller, self._attr, links)
                 except (AttributeError, TypeError):  # __slots__ or a frozen object
@@ -224,7 +225,7 @@ class HiCacheHooks:
     def detach(self) -> None:
         """Stop every adopted ack queue reporting (``uninstrument()``): each stays a plain list for SGLang."""
         for queue in list(self._queues.values()):
-            queue.reporter = None
+            queue.detach()
         self._queues.clear()
 
     # ------------------------------------------------------------------ submission: HiCacheController
@@ -267,13 +268,13 @@ class HiCacheHooks:
         telemetry = self._sink()
         if telemetry is None:
             return None
-        fail = functools.partial(self._fail, f"{name} report")
-        reporter = AckReporter(telemetry, cc, direction, self._links(cc), fail)
-        if type(queue) is AckQueue:  # adopted by an earlier instrument(): report again, to this telemetry
-            queue.reporter = reporter
-        else:
-            queue = AckQueue(queue, reporter)
+        reporter = AckReporter(cc, direction, self._links(cc)[direction])
+        deferred = telemetry.deferred_queue(reporter.record)
+        if type(queue) is not AckQueue:  # else adopted by an earlier instrument(): it reports again, here
+            queue = AckQueue(queue)
             setattr(cc, name, queue)
+        queue.attach(reporter, deferred)
+        weakref.finalize(queue, deferred.close)  # a controller that goes away: its queue is dropped once drained
         self._queues[id(queue)] = queue
         return queue
 
@@ -297,30 +298,32 @@ class HiCacheHooks:
         finally:
             for reporter in reporters:
                 reporter.forgetting = False
-            self._links(instance).clear()
+            for links in self._links(instance).values():
+                links.clear()
 
     # ------------------------------------------------------------------ request links (SGLang request tracing on)
     def load_back(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``UnifiedRadixCache.load_back(node_id, mem_quota, req)``: the load backs it starts serve ``req``."""
         req = args[2] if len(args) > 2 else kwargs.get("req")
-        return self._link_new_acks(wrapped, instance, args, kwargs, req, "ongoing_load_back", "load_back")
+        return self._link_new_acks(wrapped, instance, args, kwargs, req, _LOAD, "load_back")
 
     def checkpoint(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``UnifiedRadixCache.checkpoint_into_tree(req, ...)`` / ``advance_unpublished_req(req)``: the backups its
         insert starts (write-through) carry ``req``'s tokens."""
         req = args[0] if args else kwargs.get("req")
-        return self._link_new_acks(wrapped, instance, args, kwargs, req, "ongoing_write_through", "checkpoint")
+        return self._link_new_acks(wrapped, instance, args, kwargs, req, _WRITE, "checkpoint")
 
     def _link_new_acks(
-        self, wrapped: Callable[..., Any], cache: Any, args: tuple, kwargs: dict, req: Any, table: str, hook: str
+        self, wrapped: Callable[..., Any], cache: Any, args: tuple, kwargs: dict, req: Any, direction: str, hook: str
     ) -> Any:
-        """Remember ``req``'s span for every ack id ``wrapped`` adds to ``cache.<table>`` (its in-flight transfers by
-        ack id); the transfer span of the ack that completes them links to it. Nothing to do with tracing off."""
+        """Remember ``req``'s span for every ack id ``wrapped`` adds to the cache's in-flight transfers of
+        ``direction`` (``ongoing_write_through`` / ``ongoing_load_back``); the transfer span of the next ack of that
+        direction to complete them links to it. Nothing to do with tracing off."""
         span = _request_span(req)
         if span is None:
             return wrapped(*args, **kwargs)
         try:
-            ongoing = getattr(cache, table)
+            ongoing = getattr(cache, _ONGOING[direction])
             before = set(ongoing)
         except Exception:
             self._fail(hook)
@@ -329,12 +332,12 @@ class HiCacheHooks:
         try:
             new = ongoing.keys() - before
             if new and cache.cache_controller is not None:
-                links = self._links(cache.cache_controller)
-                context = span.get_span_context()
+                links = self._links(cache.cache_controller)[direction]
+                link = (monotonic_ns(), span.get_span_context())
                 for ack_id in new:
-                    links[ack_id] = (*links.get(ack_id, ()), context)
+                    links[ack_id] = (*links.get(ack_id, ()), link)
                 while len(links) > MAX_PENDING:  # ack ids whose ack was never consumed (a reset we did not see)
-                    del links[next(iter(links))]
+                    _drop_oldest(links)
         except Exception:
             self._fail(hook)
         return result
@@ -493,6 +496,32 @@ class _HostPoolSource:
             return []
         total = pool.logical_size
         return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=total - pool.available_size(), limit=total)]
+
+
+def _served(links: _Links, ack_ids: list[int], done_ns: int) -> tuple[SpanContext, ...]:
+    """The request spans linked to ``ack_ids`` before their ack was consumed (``done_ns``), taken from ``links``.
+    The record is built after consumption, so a link made since belongs to a later transfer of the same node and
+    stays for it."""
+    served: list[SpanContext] = []
+    for ack_id in ack_ids:
+        entry = links.get(ack_id)
+        if not entry:
+            continue
+        mine = [context for linked_ns, context in entry if linked_ns <= done_ns]
+        if len(mine) == len(entry):
+            links.pop(ack_id, None)
+        elif mine:
+            links[ack_id] = tuple(link for link in entry if link[0] > done_ns)
+        served += mine
+    return tuple(served)
+
+
+def _drop_oldest(table: dict[Any, Any]) -> None:
+    """Forget ``table``'s oldest entry; the host thread may be taking entries from it at the same time."""
+    try:
+        table.pop(next(iter(table)), None)
+    except (RuntimeError, StopIteration):  # it took one meanwhile: the table is back under its bound
+        pass
 
 
 def _request_span(req: Any) -> Span | None:

@@ -1,0 +1,57 @@
+"""Deferred transfers: bounded queues a producer's hottest path fills and the telemetry's host thread builds from.
+
+A :class:`DeferredQueue` is what :meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue` hands a producer. The
+producer appends ``(next(queue.seq), payload)`` with ``queue.put``: a ``deque.append`` and an ``itertools.count``, two
+C calls that enter no Python frame and never wait (an engine's scheduler thread pays about a microsecond). The host
+thread takes the entries in order and builds each into a record with the queue's ``build``.
+
+Bounded without a check on the producer's side: the deque keeps at most ``limit`` unbuilt entries and discards the
+oldest past that; the taker counts every entry it never saw from the gap in sequence numbers, so what is shed is
+counted exactly (``otel_hicache.records.rejected{problem=queue_full}``). One producer thread per queue (the sequence
+numbers are then in order); the taker is the host thread alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from otel_hicache.records import TransferRecord
+
+#: ``build(payload)``: the record of one entry, or None when there is nothing to report.
+Build = Callable[[Any], "TransferRecord | None"]
+
+
+class DeferredQueue:
+    """One producer's bounded queue of entries to build (see the module docstring)."""
+
+    __slots__ = ("_entries", "_expected", "build", "closed", "put", "seq")
+
+    def __init__(self, build: Build, limit: int) -> None:
+        self._entries: collections.deque[tuple[int, Any]] = collections.deque(maxlen=limit)
+        self.put = self._entries.append  # the producer's: put((next(seq), payload))
+        self.seq = itertools.count()
+        self.build = build
+        self.closed = False  # the producer is done: dropped by the telemetry once drained
+        self._expected = 0  # the sequence number the taker sees next when nothing was shed
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self) -> tuple[int, Any]:
+        """``(entries shed just before this one, payload)`` of the oldest entry; IndexError when empty."""
+        seq, payload = self._entries.popleft()
+        shed, self._expected = seq - self._expected, seq + 1
+        return shed, payload
+
+    def discard(self) -> int:
+        """Drop every unbuilt entry (shutdown; a forked child's copy): how many were never built, shed ones too."""
+        handed_out = next(self.seq)  # entries so far were numbered below this one, which no entry will use
+        self._entries.clear()
+        never_built, self._expected = handed_out - self._expected, handed_out + 1
+        return never_built
+
+    def close(self) -> None:
+        self.closed = True

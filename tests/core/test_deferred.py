@@ -1,0 +1,94 @@
+"""A producer's own deferred queue (``HiCacheTelemetry.deferred_queue``): the producer puts entries with two C calls,
+the host thread builds them in order, and whatever cannot be kept is shed and counted exactly."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from otel_hicache import semconv as sc
+from otel_hicache.records import TransferRecord
+from otel_hicache.semconv import TransferOperation
+from otel_hicache.testing.sdk import Sdk, make_sdk
+
+SHED = ("transfer", "queue_full")
+
+
+def backup(tokens: int) -> TransferRecord:
+    return TransferRecord(TransferOperation.BACKUP, {"kv": tokens}, 64 * tokens, 1_000, 2_000)
+
+
+@pytest.fixture
+def small() -> Iterator[Sdk]:
+    sdk = make_sdk(max_queue=4)
+    yield sdk
+    sdk.telemetry.shutdown(1.0)
+
+
+def counted(sdk: Sdk) -> tuple[int, int]:
+    """(backup tokens counted, records shed) as the telemetry holds them now."""
+    snap = sdk.telemetry.snapshot()
+    return snap[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")], snap[sc.METRIC_RECORDS_REJECTED].get(SHED, 0)
+
+
+def hold_the_host_thread(sdk: Sdk) -> threading.Event:
+    """Make the host thread hang in a build (record_transfer_deferred's queue is taken first); set to release."""
+    release = threading.Event()
+    sdk.telemetry.record_transfer_deferred(lambda _: release.wait(30) and backup(1000), None)
+    deadline = time.monotonic() + 5
+    while sdk.telemetry._deferred and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return release
+
+
+def test_entries_are_built_on_the_host_thread_in_order_and_none_reports_nothing(small: Sdk) -> None:
+    built: list[tuple[str, int]] = []
+
+    def build(tokens: int) -> TransferRecord | None:
+        built.append((threading.current_thread().name, tokens))
+        return None if tokens == 0 else backup(tokens)
+
+    queue = small.telemetry.deferred_queue(build)
+    put, seq = queue.put, queue.seq  # what a producer caches
+    for tokens in (3, 0, 5):
+        put((next(seq), tokens))
+    assert small.telemetry.flush()
+    assert built == [("otel-hicache-host", 3), ("otel-hicache-host", 0), ("otel-hicache-host", 5)]
+    assert counted(small) == (8, 0)  # the None entry is neither counted nor a rejection
+
+
+def test_entries_past_the_bound_are_shed_oldest_first_and_each_is_counted(small: Sdk) -> None:
+    queue = small.telemetry.deferred_queue(backup)
+    release = hold_the_host_thread(small)
+    for tokens in range(1, 11):  # 10 entries into a queue of 4, nobody taking
+        queue.put((next(queue.seq), tokens))
+    assert len(queue) == 4
+    release.set()
+    assert small.telemetry.flush()
+    assert counted(small) == (1000 + 7 + 8 + 9 + 10, 6)  # the newest 4 built, the 6 oldest shed and counted
+
+
+def test_entries_never_built_by_shutdown_are_counted_as_shed() -> None:
+    sdk = make_sdk(max_queue=4)
+    queue = sdk.telemetry.deferred_queue(backup)
+    release = hold_the_host_thread(sdk)
+    for tokens in range(1, 7):  # 2 shed on the way in, 4 still queued at shutdown
+        queue.put((next(queue.seq), tokens))
+    sdk.telemetry.shutdown(1.0)
+    release.set()
+    assert counted(sdk)[1] == 6
+
+
+def test_a_closed_queue_is_dropped_once_drained(small: Sdk) -> None:
+    queue = small.telemetry.deferred_queue(backup)
+    queue.put((next(queue.seq), 2))
+    queue.close()
+    assert small.telemetry.flush()
+    assert counted(small) == (2, 0)
+    deadline = time.monotonic() + 5
+    while queue in small.telemetry._queues and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert queue not in small.telemetry._queues
