@@ -11,7 +11,7 @@ What the host process pays (the scheduler thread is latency-critical, and every 
   (:mod:`otel_hicache.export_process`) when exporting over OTLP: the host has no thread doing that work. The table
   and the ring live in memory the export process maps, so what the host counted is exported even after a SIGKILL.
   In-process (the embedded default, or providers handed to this class), a consumer thread does the same work in
-  slices of at most ~100 us, pausing between them so the scheduler thread gets the GIL back.
+  slices of ~50 us (``SLICE_NS``), pausing between them so the scheduler thread gets the GIL back.
 * :meth:`HiCacheTelemetry.record_transfer_deferred` only appends ``(build, payload)`` to a bounded queue, and a
   producer's own :meth:`HiCacheTelemetry.deferred_queue` (:mod:`otel_hicache.deferred`) takes an entry with two C
   calls; a host thread builds and counts the records in short slices. Past the bound the oldest is shed and counted
@@ -51,8 +51,13 @@ from otel_hicache.validation import Rejected
 
 _log = logging.getLogger(__name__)
 
-#: The longest a host thread works before pausing so the scheduler thread can take the GIL.
-SLICE_NS = 100_000
+#: How long a host thread works before pausing so the scheduler thread can take the GIL (the record in hand is
+#: finished first: a round that starts cold lasts about twice this).
+SLICE_NS = 50_000
+#: Deferred records waiting, as a share of ``max_queue``, past which a round works twice as long: a scheduler thread
+#: that seldom releases the GIL hands it over once per switch interval (5 ms), and shedding is worse than a longer
+#: round.
+BACKLOG_SHARE = 0.25
 #: The pause; long enough for a thread waiting on the GIL to be woken and take it.
 PAUSE_S = 0.0002
 #: How often the host thread looks for deferred records to build.
@@ -441,7 +446,8 @@ class HiCacheTelemetry:
     def _work(self, state: dict[str, float]) -> bool:
         """One round of the host thread: builds deferred records, reads pool sources, and (in-process) emits spans,
         each in slices of at most SLICE_NS. True when more is waiting (the thread pauses, then comes back)."""
-        busy = self._build_deferred(SLICE_NS)
+        backlog = sum(len(queue) for queue in self._queues) > self._max_queue * BACKLOG_SHARE
+        busy = self._build_deferred(2 * SLICE_NS if backlog else SLICE_NS)
         now = time.monotonic()
         if self._pool_sources and now >= state["pools"]:
             state["pools"] = now + POOL_INTERVAL_S
