@@ -142,19 +142,20 @@ class AckReporter:
         if ack.timing_enabled:  # the ack was consumed, so its finish event is complete: no sync here
             duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
         complete = ANCHOR.to_epoch_ns(done_ns)
-        return TransferRecord(
-            operation=self.operation,
-            tokens_by_pool=ack.num_tokens_by_pool or {},
-            num_bytes=ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
-            submit_time_ns=complete if submit_ns is None else ANCHOR.to_epoch_ns(submit_ns),
-            complete_time_ns=complete,
-            copy_duration_s=duration,
-            timing_source=TimingSource.NONE if duration is None else TimingSource.CUDA_EVENT,
-            merged_ops=merged,
-            node_count=len(ack.node_ids),
-            write_policy=self.policy,
-            io_backend=self.io_backend,
-            links=served,
+        return TransferRecord(  # positional, in field order: cheaper than keywords, once per ack
+            self.operation,
+            ack.num_tokens_by_pool or {},
+            ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
+            complete if submit_ns is None else ANCHOR.to_epoch_ns(submit_ns),
+            complete,
+            duration,
+            TimingSource.NONE if duration is None else TimingSource.CUDA_EVENT,
+            merged,
+            len(ack.node_ids),
+            None,  # bytes_by_pool
+            self.policy,
+            self.io_backend,
+            served,
         )
 
 
