@@ -49,7 +49,7 @@ SGLANG_VENV_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 
 @dataclass
 class Params:
-    reps: int = 12
+    reps: int = 24
     batches_per_block: int = 8
     batch: int = 32
     seq_tokens: int = 64

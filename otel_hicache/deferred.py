@@ -1,9 +1,11 @@
 """Deferred transfers: bounded queues a producer's hottest path fills and the telemetry's host thread builds from.
 
 A :class:`DeferredQueue` is what :meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue` hands a producer. The
-producer appends ``(next(queue.seq), payload)`` with ``queue.put``: a ``deque.append`` and an ``itertools.count``, two
-C calls that enter no Python frame and never wait (an engine's scheduler thread pays about a microsecond). The host
-thread takes the entries in order and builds each into a record with the queue's ``build``.
+producer appends an entry ``(next(queue.seq), ...)`` - a tuple whose first item is the sequence number, the rest what
+the record is made of - with ``queue.put``: a ``deque.append`` and an ``itertools.count``, two C calls that enter no
+Python frame and never wait (one tuple per entry: what stays alive until it is built is what the garbage collector
+of the host has to walk). The host thread takes the entries in order and builds each into a record with the queue's
+``build(entry)``.
 
 Bounded without a check on the producer's side: the deque keeps at most ``limit`` unbuilt entries and discards the
 oldest past that; the taker counts every entry it never saw from the gap in sequence numbers, so what is shed is
@@ -20,7 +22,7 @@ from typing import Any
 
 from otel_hicache.records import TransferRecord
 
-#: ``build(payload)``: the record of one entry, or None when there is nothing to report.
+#: ``build(entry)``: the record of one entry (``entry[0]`` is its sequence number), or None: nothing to report.
 Build = Callable[[Any], "TransferRecord | None"]
 
 
@@ -30,8 +32,8 @@ class DeferredQueue:
     __slots__ = ("_entries", "_expected", "build", "closed", "put", "seq")
 
     def __init__(self, build: Build, limit: int) -> None:
-        self._entries: collections.deque[tuple[int, Any]] = collections.deque(maxlen=limit)
-        self.put = self._entries.append  # the producer's: put((next(seq), payload))
+        self._entries: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=limit)
+        self.put = self._entries.append  # the producer's: put((next(seq), ...))
         self.seq = itertools.count()
         self.build = build
         self.closed = False  # the producer is done: dropped by the telemetry once drained
@@ -40,11 +42,12 @@ class DeferredQueue:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self) -> tuple[int, Any]:
-        """``(entries shed just before this one, payload)`` of the oldest entry; IndexError when empty."""
-        seq, payload = self._entries.popleft()
+    def take(self) -> tuple[int, tuple[Any, ...]]:
+        """``(entries shed just before this one, entry)`` of the oldest entry; IndexError when empty."""
+        entry = self._entries.popleft()
+        seq = entry[0]
         shed, self._expected = seq - self._expected, seq + 1
-        return shed, payload
+        return shed, entry
 
     def discard(self) -> int:
         """Drop every unbuilt entry (shutdown; a forked child's copy): how many were never built, shed ones too."""

@@ -251,14 +251,14 @@ class HiCacheTelemetry:
             self._reject(RecordKind.TRANSFER, Problem.QUEUE_FULL)
             return
         queue = self._deferred
-        queue.put((next(queue.seq), (build, payload)))
+        queue.put((next(queue.seq), build, payload))
         if self._worker is None:
             self._start_worker()
 
     def deferred_queue(self, build: Build) -> DeferredQueue:
         """A queue of this producer's own for the tightest hot paths (SGLang's ack queues): the producer appends
-        ``(next(queue.seq), payload)`` with ``queue.put``, two C calls and no Python frame; the host thread builds
-        each entry with ``build(payload)`` (a record, or None) as :meth:`record_transfer_deferred` does. At most
+        ``(next(queue.seq), ...)`` with ``queue.put``, two C calls and no Python frame; the host thread builds each
+        entry with ``build(entry)`` (a record, or None) as :meth:`record_transfer_deferred` does. At most
         ``max_queue`` unbuilt entries; shed ones are counted. ``queue.close()`` when the producer is done. Never
         raises."""
         queue = DeferredQueue(build, self._max_queue)
@@ -467,12 +467,12 @@ class HiCacheTelemetry:
             while queue:
                 self._building = True
                 try:
-                    shed, payload = queue.take()
+                    shed, entry = queue.take()
                     if shed:
                         self._add([(self._rejected_slot[RecordKind.TRANSFER, Problem.QUEUE_FULL], shed)])
                         self._warn_once(RecordKind.TRANSFER, Problem.QUEUE_FULL, "deferred records shed")
                     try:
-                        record = queue.build(payload)
+                        record = queue.build(entry)
                     except Exception:
                         self._reject(RecordKind.TRANSFER, Problem.BUILD_FAILED)
                         continue
@@ -645,9 +645,9 @@ def _nothing() -> None:
     return None
 
 
-def _build_deferred_call(payload: tuple[Build, Any]) -> TransferRecord | None:
-    """record_transfer_deferred's entries: ``(build, payload)``."""
-    return payload[0](payload[1])
+def _build_deferred_call(entry: tuple[int, Callable[[Any], TransferRecord | None], Any]) -> TransferRecord | None:
+    """record_transfer_deferred's entries: ``(seq, build, payload)``."""
+    return entry[1](entry[2])
 
 
 def _run(ref: weakref.ref[HiCacheTelemetry], wake: threading.Event) -> None:

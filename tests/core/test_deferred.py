@@ -21,6 +21,10 @@ def backup(tokens: int) -> TransferRecord:
     return TransferRecord(TransferOperation.BACKUP, {"kv": tokens}, 64 * tokens, 1_000, 2_000)
 
 
+def backup_entry(entry: tuple[int, int]) -> TransferRecord:
+    return backup(entry[1])
+
+
 @pytest.fixture
 def small() -> Iterator[Sdk]:
     sdk = make_sdk(max_queue=4)
@@ -47,7 +51,8 @@ def hold_the_host_thread(sdk: Sdk) -> threading.Event:
 def test_entries_are_built_on_the_host_thread_in_order_and_none_reports_nothing(small: Sdk) -> None:
     built: list[tuple[str, int]] = []
 
-    def build(tokens: int) -> TransferRecord | None:
+    def build(entry: tuple[int, int]) -> TransferRecord | None:
+        tokens = entry[1]
         built.append((threading.current_thread().name, tokens))
         return None if tokens == 0 else backup(tokens)
 
@@ -61,7 +66,7 @@ def test_entries_are_built_on_the_host_thread_in_order_and_none_reports_nothing(
 
 
 def test_entries_past_the_bound_are_shed_oldest_first_and_each_is_counted(small: Sdk) -> None:
-    queue = small.telemetry.deferred_queue(backup)
+    queue = small.telemetry.deferred_queue(backup_entry)
     release = hold_the_host_thread(small)
     for tokens in range(1, 11):  # 10 entries into a queue of 4, nobody taking
         queue.put((next(queue.seq), tokens))
@@ -73,7 +78,7 @@ def test_entries_past_the_bound_are_shed_oldest_first_and_each_is_counted(small:
 
 def test_entries_never_built_by_shutdown_are_counted_as_shed() -> None:
     sdk = make_sdk(max_queue=4)
-    queue = sdk.telemetry.deferred_queue(backup)
+    queue = sdk.telemetry.deferred_queue(backup_entry)
     release = hold_the_host_thread(sdk)
     for tokens in range(1, 7):  # 2 shed on the way in, 4 still queued at shutdown
         queue.put((next(queue.seq), tokens))
@@ -83,7 +88,7 @@ def test_entries_never_built_by_shutdown_are_counted_as_shed() -> None:
 
 
 def test_a_closed_queue_is_dropped_once_drained(small: Sdk) -> None:
-    queue = small.telemetry.deferred_queue(backup)
+    queue = small.telemetry.deferred_queue(backup_entry)
     queue.put((next(queue.seq), 2))
     queue.close()
     assert small.telemetry.flush()

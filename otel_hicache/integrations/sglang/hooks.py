@@ -88,7 +88,7 @@ class AckQueue(list[Any]):  # SGLang's List[HiCacheAck]
         ack = list.pop(self, index)
         deferred = self._deferred
         if deferred is not None:
-            deferred.put((next(deferred.seq), (ack, monotonic_ns())))
+            deferred.put((next(deferred.seq), ack, monotonic_ns()))
         return ack
 
     def clear(self) -> None:
@@ -103,7 +103,7 @@ class AckQueue(list[Any]):  # SGLang's List[HiCacheAck]
             acks, done_ns = list(self), monotonic_ns()
             list.clear(self)
             for ack in acks:
-                deferred.put((next(deferred.seq), (ack, done_ns)))
+                deferred.put((next(deferred.seq), ack, done_ns))
 
 
 class AckReporter:
@@ -128,9 +128,10 @@ class AckReporter:
         if len(table) > MAX_PENDING:
             _drop_oldest(table)
 
-    def record(self, payload: tuple[Any, int]) -> TransferRecord | None:
-        """The transfer record of one consumed ack (host thread); None if it was submitted under suppression."""
-        ack, done_ns = payload
+    def record(self, entry: tuple[int, Any, int]) -> TransferRecord | None:
+        """The transfer record of one consumed ack, ``(seq, ack, when it left)`` (host thread); None if it was
+        submitted under suppression."""
+        _, ack, done_ns = entry
         submitted = self.submitted.pop(id(ack), _UNSEEN)  # the ack is alive in the payload: its id is its own
         if submitted is None:
             return None  # submitted inside suppress_instrumentation(): not reported
