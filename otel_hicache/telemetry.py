@@ -563,7 +563,7 @@ class HiCacheTelemetry:
             self._channel = Channel(self._layout, self._max_queue, shared=True)
             self._bind(self._channel)
         self._consumer = self._consumer.after_fork_in_child(self._channel)
-        if self._pool_sources:
+        if self._pool_sources or len(self._queues) > 1:  # a producer's queue fills with no call to start it
             self._start_worker()
 
 

@@ -3,6 +3,7 @@ the host thread builds them in order, and whatever cannot be kept is shed and co
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -97,3 +98,24 @@ def test_a_closed_queue_is_dropped_once_drained(small: Sdk) -> None:
     while queue in small.telemetry._queues and time.monotonic() < deadline:
         time.sleep(0.005)
     assert queue not in small.telemetry._queues
+
+
+def test_a_forked_child_builds_its_own_entries_and_none_of_the_parents(small: Sdk) -> None:
+    queue = small.telemetry.deferred_queue(backup_entry)
+    release = hold_the_host_thread(small)
+    queue.put((next(queue.seq), 7))  # the parent's, unbuilt at the fork
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own telemetry from zero, its own host thread
+        try:
+            queue.put((next(queue.seq), 3))
+            os.write(write_end, repr(counted(small)).encode())  # a read of the counters waits for the build
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    child = os.read(read_end, 100).decode()
+    os.waitpid(pid, 0)
+    release.set()
+    assert small.telemetry.flush()
+    assert child == repr((3, 0))  # built in the child (no call started its host thread), the parent's 7 not there
+    assert counted(small) == (1000 + 7, 0)
