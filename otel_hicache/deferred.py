@@ -42,6 +42,11 @@ class DeferredQueue:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def put_numbered(self, build: Any, payload: Any) -> None:
+        """``put((next(seq), build, payload))`` as one C call: for a queue several threads fill (a number drawn on
+        one thread and appended after another thread's later one would count as shed, then as a negative shed)."""
+        self._entries.extend(itertools.islice(zip(self.seq, (build,), (payload,), strict=False), 1))
+
     def take(self) -> tuple[int, tuple[Any, ...]]:
         """``(entries shed just before this one, entry)`` of the oldest entry; IndexError when empty."""
         entry = self._entries.popleft()

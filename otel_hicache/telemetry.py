@@ -250,8 +250,7 @@ class HiCacheTelemetry:
         if self._closed:
             self._reject(RecordKind.TRANSFER, Problem.QUEUE_FULL)
             return
-        queue = self._deferred
-        queue.put((next(queue.seq), build, payload))
+        self._deferred.put_numbered(build, payload)  # any thread may call this
         if self._worker is None:
             self._start_worker()
 
@@ -491,6 +490,8 @@ class HiCacheTelemetry:
 
     def _settle(self, timeout_s: float) -> bool:
         """Wait (bounded) until every deferred record has been built and counted by the host thread."""
+        if self._closed:  # no host thread builds any more: what producers put since shutdown is shed, and counted
+            self._shed_deferred()
         if not self._unbuilt():
             return True
         if self._worker is None or threading.current_thread() is self._worker:

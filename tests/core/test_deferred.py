@@ -131,15 +131,3 @@ def test_entries_put_after_shutdown_are_counted_as_shed_not_lost() -> None:
     late.put((next(late.seq), 4))
     assert counted(sdk) == (0, 4)  # as record_transfer_deferred after shutdown: each one counted, none built
     assert counted(sdk) == (0, 4)  # and counted once
-
-
-def test_two_threads_recording_deferred_transfers_never_count_a_shed_record(small: Sdk) -> None:
-    telemetry = small.telemetry
-    queue = telemetry._deferred
-    # Thread A is inside record_transfer_deferred: it has its sequence number and has not appended yet when
-    # thread B's whole call runs and the host thread builds B's record.
-    a_seq = next(queue.seq)
-    telemetry.record_transfer_deferred(lambda _: backup(2), None)  # thread B
-    assert counted(small) == (2, 0)  # nothing was shed: the queue holds at most 2 of its 4
-    queue.put((a_seq, lambda _: backup(1), None))  # thread A appends
-    assert counted(small) == (3, 0)
