@@ -468,3 +468,28 @@ def test_adopted_queues_stay_lists_stop_reporting_when_uninstrumented_and_report
     assert [ack.num_tokens for ack in tree.consumed] == [20, 30, 10]
     assert otel_values(otel)["backup_kv"] == 20 + 10
     assert sorted(s.attributes[sc.ATTR_TOKENS] for s in otel.spans("hicache.backup")) == [10, 20]
+
+
+def test_instrumenting_again_and_again_keeps_one_reporter_per_queue_alive(
+    cpu_sglang: None, otel: Sdk, sglang_metrics: Any
+) -> None:
+    import gc
+
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+    from otel_hicache.integrations.sglang.hooks import AckReporter
+
+    def reporters() -> int:
+        gc.collect()
+        return sum(type(o) is AckReporter for o in gc.get_objects())
+
+    tree = Tree("write_through", sglang_metrics, kv_size=128)
+    instrumentor = SGLangHiCacheInstrumentor()
+    alive = []
+    for tokens in (SEQ_A, SEQ_B, list(range(200, 210)), list(range(210, 220))):
+        instrumentor.instrument(telemetry=otel.telemetry, stat_loggers=False)
+        tree.insert(tokens)
+        tree.step()
+        instrumentor.uninstrument()
+        assert otel.telemetry.flush()
+        alive.append(reporters())
+    assert alive[-1] == alive[0]  # an uninstrument/instrument cycle leaves nothing of the last one behind
