@@ -69,20 +69,24 @@ class AckQueue(list[Any]):  # SGLang's List[HiCacheAck]
     ack leaving through ``pop`` or ``clear`` to the telemetry's host thread: one entry put on a
     :class:`~otel_hicache.deferred.DeferredQueue`, two C calls. Detached (uninstrumented): a plain list."""
 
-    __slots__ = ("__weakref__", "_deferred", "reporter")
+    __slots__ = ("__weakref__", "_closer", "_deferred", "reporter")
 
     def __init__(self, acks: Iterable[Any]) -> None:
         super().__init__(acks)
         self.reporter: AckReporter | None = None
         self._deferred: DeferredQueue | None = None
+        self._closer: weakref.finalize[Any, Any] | None = None
 
     def attach(self, reporter: AckReporter, deferred: DeferredQueue) -> None:
+        self.detach()
         self.reporter, self._deferred = reporter, deferred
+        # a controller that goes away: its queue is dropped once drained
+        self._closer = weakref.finalize(self, deferred.close)
 
     def detach(self) -> None:
-        deferred, self._deferred, self.reporter = self._deferred, None, None
-        if deferred is not None:
-            deferred.close()
+        closer, self._closer, self._deferred, self.reporter = self._closer, None, None, None
+        if closer is not None:
+            closer()  # closes the deferred queue, and lets go of it (and of its reporter) once drained
 
     def pop(self, index: SupportsIndex = -1) -> Any:
         ack = list.pop(self, index)
@@ -276,7 +280,6 @@ class HiCacheHooks:
             queue = AckQueue(queue)
             setattr(cc, name, queue)
         queue.attach(reporter, deferred)
-        weakref.finalize(queue, deferred.close)  # a controller that goes away: its queue is dropped once drained
         self._queues[id(queue)] = queue
         return queue
 
