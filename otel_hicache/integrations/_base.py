@@ -216,8 +216,8 @@ def _guarded(wrapper: Wrapper) -> Wrapper:
 def checks_suppression(wrapper: _W) -> _W:
     """Mark ``wrapper`` as checking ``suppress_instrumentation()`` itself: it is installed without the guard.
 
-    For the hottest wrappers, which keep bookkeeping true on every call and look at the context only when they have
-    something to report (the guard's context lookup on every call is a measurable share of their cost).
+    For wrappers whose bookkeeping must stay true under suppression while they report nothing there (SGLang's
+    submission hooks mark an ack submitted there as not to be reported; its reset hook forgets queued acks either way).
     """
     wrapper.__dict__[_CHECKS_SUPPRESSION] = True
     return wrapper
