@@ -3,8 +3,9 @@
 SGLang stops its schedulers with SIGKILL (``kill_process_tree``). Over OTLP, the export process outlives the host and
 exports everything the host counted; only records still queued for the host's telemetry thread (built and counted in
 slices, every ``DEFERRED_TICK_S``) die with it. Measured: a spawned host configured from ``OTEL_*`` only hands over one
-1-token ack every ``1 / rate`` s with ``record_transfer_deferred`` (as the SGLang wrappers do) and is SIGKILLed at a
-random moment; the exported token total is compared with the acks handed over. Window = lost acks / rate.
+1-token ack every ``1 / rate`` s with ``record_transfer_deferred`` (deferred like the SGLang ack queues) and is
+SIGKILLed at a random moment; the exported token total is compared with the acks handed over. Window = lost acks /
+rate.
 """
 
 from __future__ import annotations
