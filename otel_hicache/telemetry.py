@@ -60,11 +60,8 @@ SLICE_NS = 50_000
 BACKLOG_SHARE = 0.25
 #: The pause; long enough for a thread waiting on the GIL to be woken and take it.
 PAUSE_S = 0.0002
-#: How often the host thread looks for deferred records to build. Each wake takes the GIL and starts cold, so fewer,
-#: larger batches cost the scheduler thread less (on the real SGLang ack path 50 ms against 20 ms: 0.14-0.16x against
-#: 0.19-0.22x of prometheus_client per ack with finish_count=n, 0.22-0.29x against 0.40-0.48x with default
-#: arguments); the price is the SIGKILL window (records still unbuilt die with the process).
-DEFERRED_TICK_S = 0.05
+#: How often the host thread looks for deferred records to build.
+DEFERRED_TICK_S = 0.02
 #: How often the host thread reads the pool-usage sources.
 POOL_INTERVAL_S = 1.0
 #: How long a read of the counters (snapshot, collection) waits for deferred records to be counted.
