@@ -138,24 +138,27 @@ class Channel:
         offset = self.ring_offset + (write % self.capacity) * self.slot
         (op, tokens, num_bytes, by_pool, start, end, duration, source, merged, nodes, policy, backend, links,
          _) = t  # fmt: skip
-        if by_pool is not None:  # (tokens, bytes) per pool; a pool may have bytes and no tokens (a sidecar)
+        at = offset + _FIXED.size
+        if by_pool is None:  # the common case, packed without an intermediate list
+            n_pools = len(tokens)
+            for pool, n in tokens:
+                _POOL.pack_into(buf, at, index[pool], n, -1)
+                at += _POOL.size
+        else:  # (tokens, bytes) per pool; a pool may have bytes and no tokens (a sidecar)
             pools: dict[str, list[int]] = {pool: [n, -1] for pool, n in tokens}
             for pool, n in by_pool:
                 pools.setdefault(pool, [-1, -1])[1] = n
-            entries = [(index[pool], n, size) for pool, (n, size) in pools.items()]
-        else:
-            entries = [(index[pool], n, -1) for pool, n in tokens]
-        _FIXED.pack_into(buf, offset, _KIND_TRANSFER, _OP_INDEX[op], _SOURCE_INDEX[source], len(entries), len(links),
-                         by_pool is not None, 0, start, end, math.nan if duration is None else duration, num_bytes,
-                         merged, nodes, labels.get(policy) or self._label(policy),
-                         labels.get(backend) or self._label(backend))  # fmt: skip
-        at = offset + _FIXED.size
-        for entry in entries:
-            _POOL.pack_into(buf, at, *entry)
-            at += _POOL.size
+            n_pools = len(pools)
+            for pool, (n, size) in pools.items():
+                _POOL.pack_into(buf, at, index[pool], n, size)
+                at += _POOL.size
         for trace_id, span_id, flags, remote in links:
             _LINK.pack_into(buf, at, trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"), flags, remote)
             at += _LINK.size
+        _FIXED.pack_into(buf, offset, _KIND_TRANSFER, _OP_INDEX[op], _SOURCE_INDEX[source], n_pools, len(links),
+                         by_pool is not None, 0, start, end, math.nan if duration is None else duration, num_bytes,
+                         merged, nodes, labels.get(policy) or self._label(policy),
+                         labels.get(backend) or self._label(backend))  # fmt: skip
         self.ints[WRITE] = write + 1
         return True
 
