@@ -11,14 +11,15 @@ nodes the ack served (pop from the ongoing map, lock count down), then the metri
 * ``naive_otel``: a synchronous OTel SDK path, one span plus counters and a histogram per ack;
 * ``otel_hicache``: build a :class:`~otel_hicache.records.TransferRecord` and call
   :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer` (spans on);
-* ``otel_hicache_deferred``: hand the ack over with
-  :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_deferred`, as the SGLang adapter does; the record
-  is built on the telemetry's host thread.
+* ``otel_hicache_deferred``: as the SGLang adapter reports: put the ack on a queue of the reporter's own
+  (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`); the telemetry's host thread reports it with
+  :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_at`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from time import monotonic_ns
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
@@ -29,7 +30,7 @@ from otel_hicache import semconv as sc
 from otel_hicache.records import TransferRecord
 from otel_hicache.semconv import TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
-from otel_hicache.timing import elapsed_seconds, make_timing_event_pair, now_ns
+from otel_hicache.timing import ANCHOR, elapsed_seconds, make_timing_event_pair, now_ns
 
 BACKUP = TransferOperation.BACKUP
 LOAD_BACK = TransferOperation.LOAD_BACK
@@ -359,10 +360,30 @@ class OtelHiCacheReporter(Reporter):
 
 
 class DeferredOtelHiCacheReporter(OtelHiCacheReporter):
-    """The otel_hicache path as the SGLang adapter reports: the ack is handed over with
-    ``record_transfer_deferred`` and its record is built and counted on the telemetry's host thread."""
+    """The otel_hicache path as the SGLang adapter reports: the calling thread puts ``(seq, op, ack, time)`` on a
+    queue of its own (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`: two C calls, no Python frame
+    of ours); the telemetry's host thread reports it with ``record_transfer_at`` (no record object)."""
 
     name = "otel_hicache_deferred"
 
+    def __init__(self, telemetry: HiCacheTelemetry, source: TimingSource, flush: Any = None) -> None:
+        super().__init__(telemetry, source, flush)
+        self._sites = {op: telemetry.transfer_site(op, timing_source=source) for op in (BACKUP, LOAD_BACK)}
+        self._queue = telemetry.deferred_queue(self._report_at)
+
     def _report(self, op: TransferOperation, ack: Ack) -> None:
-        self.telemetry.record_transfer_deferred(self._record, (op, ack, now_ns()))
+        queue = self._queue
+        queue.put((next(queue.seq), op, ack, monotonic_ns()))
+
+    def _report_at(self, entry: tuple[int, TransferOperation, Ack, int]) -> None:
+        _, op, ack, done_ns = entry
+        self.telemetry.record_transfer_at(
+            self._sites[op],
+            ack.num_tokens_by_pool or {},
+            ack.num_bytes,
+            ack.submit_time_ns,
+            ANCHOR.to_epoch_ns(done_ns),
+            elapsed_seconds(ack.start_event, ack.finish_event, ack.timing_enabled),
+            1,
+            len(ack.node_ids),
+        )

@@ -22,7 +22,8 @@ from typing import Any
 
 from otel_hicache.records import TransferRecord
 
-#: ``build(entry)``: the record of one entry (``entry[0]`` is its sequence number), or None: nothing to report.
+#: ``build(entry)``: the record of one entry (``entry[0]`` is its sequence number), or None: nothing (more) to report
+#: (a build may report through :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_at` itself).
 Build = Callable[[Any], "TransferRecord | None"]
 
 

@@ -33,11 +33,11 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from opentelemetry import metrics, trace
-from opentelemetry.trace import Span
+from opentelemetry.trace import Span, SpanContext
 
 from otel_hicache import semconv as sc
 from otel_hicache import validation
@@ -46,7 +46,7 @@ from otel_hicache.channel import EXPORTER_PID, HEADER_INTS, Channel
 from otel_hicache.deferred import Build, DeferredQueue
 from otel_hicache.export import Emitter
 from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferFailure, TransferRecord
-from otel_hicache.semconv import Problem, RecordKind
+from otel_hicache.semconv import Problem, RecordKind, TimingSource, TransferOperation
 from otel_hicache.validation import Rejected
 
 _log = logging.getLogger(__name__)
@@ -153,8 +153,13 @@ class HiCacheTelemetry:
         """Cache what the hot path indexes (slot tables, the int64 view) for ``channel``."""
         slots = self._layout.slots
         self._ints = channel.ints
-        self._tokens_slot = slots[sc.METRIC_TRANSFER_TOKENS]
-        self._size_slot = slots[sc.METRIC_TRANSFER_SIZE]
+        # per operation (and timing source): the hot path looks a slot up by pool alone
+        tokens, sizes = slots[sc.METRIC_TRANSFER_TOKENS], slots[sc.METRIC_TRANSFER_SIZE]
+        self._token_slots = {op: {pool: tokens[op, pool] for pool in self._layout.pools} for op in sc.TransferOperation}
+        self._size_slots = {
+            (op, source): {pool: sizes[op, pool, source] for pool in (None, *self._layout.pools)}
+            for op in sc.TransferOperation for source in sc.TimingSource
+        }  # fmt: skip
         self._failure_slot = slots[sc.METRIC_TRANSFER_FAILURES]
         self._drop_slot = slots[sc.METRIC_DROPPED_TOKENS]
         self._evicted_slot = slots[sc.METRIC_EVICTION_TOKENS]
@@ -166,35 +171,61 @@ class HiCacheTelemetry:
     # ------------------------------------------------------------------ producer API (hot path)
     def record_transfer(self, record: TransferRecord) -> None:
         """Count one completed merged transfer and queue its span. Never raises, never waits."""
+        checked = self._checked(RecordKind.TRANSFER, validation.transfer, record, self._known)
+        if checked is not None:
+            self._count_transfer(checked)
+
+    def transfer_site(
+        self,
+        operation: TransferOperation,
+        *,
+        timing_source: TimingSource = TimingSource.NONE,
+        write_policy: str | None = None,
+        io_backend: str | None = None,
+    ) -> validation.Site:
+        """What every transfer reported from one place of an adapter shares, checked once, for
+        :meth:`record_transfer_at`. ``timing_source``: how that place measures copy durations. Raises ValueError for
+        an unknown operation or timing source (a programming error, found when the adapter is set up)."""
         try:
-            checked = validation.transfer(record, self._known)
+            return validation.site(operation, timing_source, write_policy, io_backend)
         except Rejected as rejected:
-            self._reject(RecordKind.TRANSFER, rejected.problem)
-            return
-        except Exception:
-            self._reject(RecordKind.TRANSFER, Problem.MALFORMED)
-            return
-        self._count_transfer(checked)
+            raise ValueError(f"transfer_site: {rejected.problem.value}: {operation!r}, {timing_source!r}") from None
+
+    def record_transfer_at(
+        self,
+        site: validation.Site,
+        tokens_by_pool: Mapping[str, int],
+        num_bytes: int,
+        submit_time_ns: int,
+        complete_time_ns: int,
+        copy_duration_s: float | None = None,
+        merged_ops: int = 1,
+        node_count: int = 0,
+        links: Sequence[SpanContext] = (),
+    ) -> None:
+        """:meth:`record_transfer` of ``TransferRecord(site's operation, tokens_by_pool, ...)`` (no per-pool bytes)
+        without the record: the site's values are not checked again. For an adapter's record builder on the host
+        thread (SGLang's consumed acks). Never raises, never waits."""
+        checked = self._checked(RecordKind.TRANSFER, validation.transfer_at, site, self._known, tokens_by_pool,
+                                num_bytes, submit_time_ns, complete_time_ns, copy_duration_s, merged_ops, node_count,
+                                links)  # fmt: skip
+        if checked is not None:
+            self._count_transfer(checked)
 
     def _count_transfer(self, t: validation.Transfer) -> None:
-        op, tokens, num_bytes, by_pool, source, corrections = t[0], t[1], t[2], t[3], t[7], t[13]
-        slots, sizes = self._tokens_slot, self._size_slot
-        adds = [(slots[op, pool], n) for pool, n in tokens]
+        op, tokens, num_bytes, by_pool, corrections = t[0], t[1], t[2], t[3], t[13]
+        token_slots, size_slots = self._token_slots[op], self._size_slots[op, t[7]]
+        adds = [(token_slots[pool], n) for pool, n in tokens]
         if by_pool is None:
-            adds.append((sizes[op, None, source], num_bytes))
+            adds.append((size_slots[None], num_bytes))
         else:
-            adds += [(sizes[op, pool, source], n) for pool, n in by_pool]
+            adds += [(size_slots[pool], n) for pool, n in by_pool]
         with self._lock:
-            if not self._apply(adds):
-                counted = False
-            else:
-                counted = True
+            counted = self._apply(adds)
+            if counted:
                 queued = not self._closed and self._put(t)
-                ints = self._ints
-                if not queued:
-                    ints[self._dropped_slot[(RecordKind.TRANSFER,)]] += 1
-                for problem in corrections:
-                    ints[self._normalized_slot[RecordKind.TRANSFER, problem]] += 1
+                if not queued or corrections:
+                    self._count_span_loss_and_corrections(queued, corrections)
         if not counted:
             self._reject(RecordKind.TRANSFER, Problem.ABSURD_COUNT)
             return
@@ -202,6 +233,13 @@ class HiCacheTelemetry:
             self._start()
         if corrections or not queued:
             self._warn_transfer(corrections, queued)
+
+    def _count_span_loss_and_corrections(self, queued: bool, corrections: tuple[Problem, ...]) -> None:
+        ints = self._ints  # under the lock
+        if not queued:
+            ints[self._dropped_slot[(RecordKind.TRANSFER,)]] += 1
+        for problem in corrections:
+            ints[self._normalized_slot[RecordKind.TRANSFER, problem]] += 1
 
     def _apply(self, adds: list[tuple[int, int]]) -> bool:
         """Add every ``(slot, n)`` or none (under the lock): a count past int64 leaves the table as it was."""

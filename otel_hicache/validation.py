@@ -130,13 +130,15 @@ def pool_name(pool: Any, known: Pools, corrections: list[Problem]) -> str:
 
 def pool_counts(mapping: Any, known: Pools, limit: int, corrections: list[Problem]) -> list[tuple[str, int]]:
     """``(pool, count)`` pairs from one read of ``mapping``; unknown pools summed under ``other``."""
-    items = _items(mapping)
     if type(mapping) is dict:  # the common case, checked without copying: unique keys, plain ints, known pools
+        items = list(mapping.items())
         for pool, n in items:
             if type(n) is not int or not 0 <= n <= limit or type(pool) is not str or pool not in known:
                 break
         else:
             return items
+    else:
+        items = _items(mapping)
     out: dict[str, int] = {}
     for pool, n in items:
         n = count(n, limit)
@@ -187,19 +189,76 @@ def _links(value: Any, corrections: list[Problem]) -> tuple[Link, ...]:
     return links
 
 
+class Site(NamedTuple):
+    """What every transfer reported from one place of a producer shares (an SGLang ack queue: its operation, write
+    policy and io backend), checked once by :func:`site`; each transfer then has only its own values checked
+    (:func:`transfer_at`)."""
+
+    operation: TransferOperation
+    timing_source: TimingSource  # how the site's copy durations are measured (a transfer without one: NONE)
+    write_policy: str | None
+    io_backend: str | None
+    corrections: tuple[Problem, ...]  # a label cut or left out: counted with each transfer
+
+
+def site(operation: Any, timing_source: Any, write_policy: Any, io_backend: Any) -> Site:
+    corrections: list[Problem] = []
+    return Site(_operation(operation), _timing_source(timing_source), _label(write_policy, corrections),
+                _label(io_backend, corrections), tuple(corrections))  # fmt: skip
+
+
 def transfer(record: Any, known: Pools) -> Transfer:
     """Check a :class:`~otel_hicache.records.TransferRecord` (or anything shaped like one)."""
     if not isinstance(record, TransferRecord):
         raise Rejected(Problem.MALFORMED)
     (operation, tokens_by_pool, num_bytes, submit, complete, copy_s, source, merged, nodes, bytes_by_pool, policy,
      backend, links) = record  # fmt: skip
+    op, timing = _operation(operation), _timing_source(source)
+    corrections: list[Problem] = []
+    policy, backend = _label(policy, corrections), _label(backend, corrections)
+    return _transfer(op, timing, policy, backend, corrections, known, tokens_by_pool, num_bytes, bytes_by_pool, submit,
+                     complete, copy_s, merged, nodes, links)  # fmt: skip
+
+
+def transfer_at(
+    at: Site, known: Pools, tokens_by_pool: Any, num_bytes: Any, submit: Any, complete: Any, copy_s: Any,
+    merged: Any, nodes: Any, links: Any,
+) -> Transfer:  # fmt: skip
+    """Check one transfer of a checked :class:`Site`: no record object, and the site's values are not checked
+    again (an adapter's hottest path)."""
+    op, timing = at.operation, at.timing_source
+    if type(op) is not TransferOperation or type(timing) is not TimingSource:
+        raise Rejected(Problem.MALFORMED)  # a Site not made by site()
+    return _transfer(op, timing, at.write_policy, at.io_backend, list(at.corrections), known, tokens_by_pool,
+                     num_bytes, None, submit, complete, copy_s, merged, nodes, links)  # fmt: skip
+
+
+def _operation(operation: Any) -> TransferOperation:
     try:
         op = OPERATIONS.get(operation)
     except TypeError:
         op = None
     if op is None:
         raise Rejected(Problem.UNKNOWN_OPERATION)
-    corrections: list[Problem] = []
+    return op
+
+
+def _timing_source(source: Any) -> TimingSource:
+    try:
+        timing = TIMING_SOURCES.get(source)
+    except TypeError:
+        timing = None
+    if timing is None:
+        raise Rejected(Problem.UNKNOWN_TIMING_SOURCE)
+    return timing
+
+
+def _transfer(
+    op: TransferOperation, timing: TimingSource, policy: str | None, backend: str | None, corrections: list[Problem],
+    known: Pools, tokens_by_pool: Any, num_bytes: Any, bytes_by_pool: Any, submit: Any, complete: Any, copy_s: Any,
+    merged: Any, nodes: Any, links: Any,
+) -> Transfer:  # fmt: skip
+    """The checks of a transfer's own values, inline for the plain case: this runs for every transfer."""
     tokens = pool_counts(tokens_by_pool, known, MAX_TOKENS, corrections)
     total_bytes = num_bytes if type(num_bytes) is int and 0 <= num_bytes <= MAX_BYTES else count(num_bytes, MAX_BYTES)
     pool_bytes = None
@@ -211,12 +270,6 @@ def transfer(record: Any, known: Pools) -> Transfer:
     end = complete if type(complete) is int and start <= complete <= MAX_TIME_NS else count(complete, MAX_TIME_NS)
     if end < start:
         raise Rejected(Problem.END_BEFORE_START)
-    try:
-        timing = TIMING_SOURCES.get(source)
-    except TypeError:
-        timing = None
-    if timing is None:
-        raise Rejected(Problem.UNKNOWN_TIMING_SOURCE)
     seconds = None
     if copy_s is None:
         timing = TimingSource.NONE
@@ -224,7 +277,7 @@ def transfer(record: Any, known: Pools) -> Transfer:
         seconds = copy_s if type(copy_s) is float and 0.0 <= copy_s <= MAX_DURATION_S else duration(copy_s)
         if timing is TimingSource.NONE:  # a duration must say how it was measured
             raise Rejected(Problem.UNKNOWN_TIMING_SOURCE)
-    return Transfer(  # positional, with inline checks for the plain case: this runs for every transfer
+    return Transfer(
         op,
         tokens,
         total_bytes,
@@ -235,8 +288,8 @@ def transfer(record: Any, known: Pools) -> Transfer:
         timing,
         merged if type(merged) is int and 0 <= merged <= MAX_TOKENS else count(merged),
         nodes if type(nodes) is int and 0 <= nodes <= MAX_TOKENS else count(nodes),
-        _label(policy, corrections),
-        _label(backend, corrections),
+        policy,
+        backend,
         _links(links, corrections) if links else (),
         tuple(corrections),
     )

@@ -11,6 +11,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
+from otel_hicache import validation
 from otel_hicache.records import (
     DropRecord,
     EvictionRecord,
@@ -243,6 +244,84 @@ class TestSpans:
         assert sdk.span_exporter.get_finished_spans() == ()  # nothing yet: the worker has not drained
         assert sdk.telemetry.flush()
         assert len(sdk.span_exporter.get_finished_spans()) == 1
+
+
+class TestTransferSites:
+    """record_transfer_at: an adapter's transfers without a record object, the site's values checked once."""
+
+    def test_a_transfer_at_a_site_is_the_same_span_and_points_as_its_record(self) -> None:
+        with_record, at_site = make_sdk(), make_sdk()
+        try:
+            with_record.telemetry.record_transfer(
+                backup({"kv": 16, "swa": 4}, write_policy="write_back", io_backend="kernel")
+            )
+            site = at_site.telemetry.transfer_site(TransferOperation.BACKUP, timing_source=TimingSource.CUDA_EVENT,
+                                                   write_policy="write_back", io_backend="kernel")  # fmt: skip
+            at_site.telemetry.record_transfer_at(site, {"kv": 16, "swa": 4}, 4096, T0, T0 + 3_000_000, 0.002, 4, 3)
+            (expected,), (span,) = with_record.spans(), at_site.spans()
+            assert (span.name, span.start_time, span.end_time) == (expected.name, expected.start_time,
+                                                                   expected.end_time)  # fmt: skip
+            assert dict(span.attributes) == dict(expected.attributes)
+            assert at_site.counters() == with_record.counters()
+            durations, expected_durations = (s.points(sc.METRIC_TRANSFER_DURATION) for s in (at_site, with_record))
+            assert durations.keys() == expected_durations.keys()
+            assert [(p.count, p.sum, p.bucket_counts) for p in durations.values()] == [
+                (p.count, p.sum, p.bucket_counts) for p in expected_durations.values()
+            ]
+        finally:
+            with_record.shutdown()
+            at_site.shutdown()
+
+    def test_a_transfer_without_a_duration_has_no_timing_source(self, sdk: Sdk) -> None:
+        site = sdk.telemetry.transfer_site(TransferOperation.LOAD_BACK, timing_source=TimingSource.CUDA_EVENT)
+        sdk.telemetry.record_transfer_at(site, {"kv": 8}, 800, T0, T0 + 10)
+        (span,) = sdk.spans()
+        assert span.attributes["hicache.timing.source"] == "none"
+        assert sdk.points(sc.METRIC_TRANSFER_DURATION) == {}
+        size = {sc.ATTR_OPERATION: "load_back", sc.ATTR_TIMING_SOURCE: "none"}
+        assert sdk.value(sc.METRIC_TRANSFER_SIZE, size) == 800
+
+    @pytest.mark.parametrize(
+        ("values", "problem"),
+        [
+            (({"kv": -1}, 100, T0, T0, None), "negative_count"),
+            (({"kv": 1}, "100", T0, T0, None), "bad_count"),
+            (({"kv": 1}, 100, T0 + 5, T0, None), "end_before_start"),
+            (({"kv": 1}, 100, T0, T0, "0.1"), "bad_duration"),
+            (([("kv", 1)], 100, T0, T0, None), "malformed"),
+        ],
+    )
+    def test_a_transfer_at_a_site_is_checked_like_a_record(self, sdk: Sdk, values: tuple, problem: str) -> None:
+        site = sdk.telemetry.transfer_site(TransferOperation.BACKUP, timing_source=TimingSource.HOST_CLOCK)
+        sdk.telemetry.record_transfer_at(site, *values)
+        counters = sdk.counters()
+        assert counters[sc.METRIC_RECORDS_REJECTED] == {("transfer", problem): 1}
+        assert counters[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")] == 0
+        assert sdk.spans() == []
+
+    def test_a_duration_at_a_site_that_cannot_time_is_refused(self, sdk: Sdk) -> None:
+        site = sdk.telemetry.transfer_site(TransferOperation.BACKUP)  # timing source none
+        sdk.telemetry.record_transfer_at(site, {"kv": 1}, 100, T0, T0, 0.001)
+        assert sdk.counters()[sc.METRIC_RECORDS_REJECTED] == {("transfer", "unknown_timing_source"): 1}
+
+    def test_a_site_label_that_had_to_be_corrected_is_counted_with_every_transfer(self, sdk: Sdk) -> None:
+        site = sdk.telemetry.transfer_site(TransferOperation.BACKUP, write_policy=b"write_back")  # type: ignore[arg-type]
+        for _ in range(3):
+            sdk.telemetry.record_transfer_at(site, {"kv": 1}, 100, T0, T0)
+        assert sdk.counters()[sc.METRIC_RECORDS_NORMALIZED] == {("transfer", "bad_attribute"): 3}
+        assert all("hicache.write_policy" not in span.attributes for span in sdk.spans())
+
+    def test_an_unknown_operation_or_timing_source_is_refused_when_the_site_is_made(self, sdk: Sdk) -> None:
+        with pytest.raises(ValueError, match="unknown_operation"):
+            sdk.telemetry.transfer_site("teleport")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="unknown_timing_source"):
+            sdk.telemetry.transfer_site(TransferOperation.BACKUP, timing_source="sundial")  # type: ignore[arg-type]
+
+    def test_a_site_not_made_by_the_telemetry_is_refused_never_raised(self, sdk: Sdk) -> None:
+        forged = validation.Site("teleport", TimingSource.NONE, None, None, ())  # type: ignore[arg-type]
+        sdk.telemetry.record_transfer_at(forged, {"kv": 1}, 100, T0, T0)
+        sdk.telemetry.record_transfer_at(None, {"kv": 1}, 100, T0, T0)  # type: ignore[arg-type]
+        assert sdk.counters()[sc.METRIC_RECORDS_REJECTED] == {("transfer", "malformed"): 2}
 
 
 class TestNeverHarmTheHost:

@@ -111,16 +111,20 @@ class AckQueue(list[Any]):  # SGLang's List[HiCacheAck]
 
 
 class AckReporter:
-    """Builds one queue's consumed acks into transfer records of one operation (``backup`` for the write queue,
-    ``load_back`` for the load queue), on the telemetry's host thread."""
+    """Reports one queue's consumed acks as transfers of one operation (``backup`` for the write queue, ``load_back``
+    for the load queue), on the telemetry's host thread."""
 
-    __slots__ = ("forgetting", "io_backend", "links", "operation", "policy", "submitted")
+    __slots__ = ("forgetting", "links", "report", "site", "submitted")
 
-    def __init__(self, cc: Any, direction: str, links: _Links) -> None:
+    def __init__(self, telemetry: HiCacheTelemetry, cc: Any, direction: str, links: _Links) -> None:
         write = direction is _WRITE
-        self.operation = TransferOperation.BACKUP if write else TransferOperation.LOAD_BACK
-        self.policy: str | None = cc.write_policy if write else None
-        self.io_backend: str | None = cc.io_backend or None
+        self.site = telemetry.transfer_site(
+            TransferOperation.BACKUP if write else TransferOperation.LOAD_BACK,
+            timing_source=TimingSource.CUDA_EVENT,  # SGLang times its copies with device events, when it times them
+            write_policy=cc.write_policy if write else None,
+            io_backend=cc.io_backend or None,
+        )
+        self.report = telemetry.record_transfer_at
         self.links = links  # request tracing on: the request spans this direction's transfers serve
         self.submitted: dict[int, _Submitted | None] = {}  # id(ack) -> submission; None: under suppression
         self.forgetting = False  # HiCacheController.reset is clearing the queue: its acks were never consumed
@@ -132,35 +136,27 @@ class AckReporter:
         if len(table) > MAX_PENDING:
             _drop_oldest(table)
 
-    def record(self, entry: tuple[int, Any, int]) -> TransferRecord | None:
-        """The transfer record of one consumed ack, ``(seq, ack, when it left)`` (host thread); None if it was
-        submitted under suppression."""
+    def record(self, entry: tuple[int, Any, int]) -> None:
+        """Report one consumed ack, ``(seq, ack, when it left)`` (host thread), unless it was submitted under
+        suppression. No record object: the transfer's values go to the telemetry as they are."""
         _, ack, done_ns = entry
         submitted = self.submitted.pop(id(ack), _UNSEEN)  # the ack is alive in the payload: its id is its own
         if submitted is None:
-            return None  # submitted inside suppress_instrumentation(): not reported
+            return  # submitted inside suppress_instrumentation(): not reported
         submit_ns, merged = submitted
-        served: tuple[SpanContext, ...] = ()
-        if self.links:
-            served = _served(self.links, ack.node_ids, done_ns)
-        duration = None
-        if ack.timing_enabled:  # the ack was consumed, so its finish event is complete: no sync here
-            duration = elapsed_seconds(ack.start_event, ack.finish_event, True)
+        nodes = ack.node_ids
         complete = ANCHOR.to_epoch_ns(done_ns)
-        return TransferRecord(  # positional, in field order: cheaper than keywords, once per ack
-            self.operation,
+        self.report(
+            self.site,
             ack.num_tokens_by_pool or {},
             ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
             complete if submit_ns is None else ANCHOR.to_epoch_ns(submit_ns),
             complete,
-            duration,
-            TimingSource.NONE if duration is None else TimingSource.CUDA_EVENT,
+            # the ack was consumed, so its finish event is complete: no sync here
+            elapsed_seconds(ack.start_event, ack.finish_event) if ack.timing_enabled else None,
             merged,
-            len(ack.node_ids),
-            None,  # bytes_by_pool
-            self.policy,
-            self.io_backend,
-            served,
+            len(nodes),
+            _served(self.links, nodes, done_ns) if self.links else (),
         )
 
 
@@ -274,7 +270,7 @@ class HiCacheHooks:
         telemetry = self._sink()
         if telemetry is None:
             return None
-        reporter = AckReporter(cc, direction, self._links(cc)[direction])
+        reporter = AckReporter(telemetry, cc, direction, self._links(cc)[direction])
         deferred = telemetry.deferred_queue(reporter.record)
         if type(queue) is not AckQueue:  # else adopted by an earlier instrument(): it reports again, here
             queue = AckQueue(queue)
