@@ -131,8 +131,9 @@ class Channel:
 
     def put_transfer(self, t: Transfer) -> bool:
         """Pack a checked transfer into the next slot; False when the ring is full."""
-        write = self._claim()
-        if write is None:
+        ints = self.ints
+        write: int = ints[WRITE]
+        if write - ints[READ] >= self.capacity:
             return False
         buf, index, labels = self.bytes, self._pool_index, self._labels
         offset = self.ring_offset + (write % self.capacity) * self.slot

@@ -171,9 +171,12 @@ class HiCacheTelemetry:
     # ------------------------------------------------------------------ producer API (hot path)
     def record_transfer(self, record: TransferRecord) -> None:
         """Count one completed merged transfer and queue its span. Never raises, never waits."""
-        checked = self._checked(RecordKind.TRANSFER, validation.transfer, record, self._known)
-        if checked is not None:
-            self._count_transfer(checked)
+        try:
+            checked = validation.transfer(record, self._known)
+        except Exception as exc:
+            self._refuse(RecordKind.TRANSFER, exc)
+            return
+        self._count_transfer(checked)
 
     def transfer_site(
         self,
@@ -206,11 +209,15 @@ class HiCacheTelemetry:
         """:meth:`record_transfer` of ``TransferRecord(site's operation, tokens_by_pool, ...)`` (no per-pool bytes)
         without the record: the site's values are not checked again. For an adapter's record builder on the host
         thread (SGLang's consumed acks). Never raises, never waits."""
-        checked = self._checked(RecordKind.TRANSFER, validation.transfer_at, site, self._known, tokens_by_pool,
-                                num_bytes, submit_time_ns, complete_time_ns, copy_duration_s, merged_ops, node_count,
-                                links)  # fmt: skip
-        if checked is not None:
-            self._count_transfer(checked)
+        try:
+            checked = validation.transfer_at(
+                site, self._known, tokens_by_pool, num_bytes, submit_time_ns, complete_time_ns, copy_duration_s,
+                merged_ops, node_count, links,
+            )  # fmt: skip
+        except Exception as exc:
+            self._refuse(RecordKind.TRANSFER, exc)
+            return
+        self._count_transfer(checked)
 
     def _count_transfer(self, t: validation.Transfer) -> None:
         op, tokens, num_bytes, by_pool, corrections = t[0], t[1], t[2], t[3], t[13]
@@ -223,7 +230,10 @@ class HiCacheTelemetry:
         with self._lock:
             counted = self._apply(adds)
             if counted:
-                queued = not self._closed and self._put(t)
+                try:  # a slot is published only once whole: a failure leaves the ring as it was
+                    queued = not self._closed and self._channel.put_transfer(t)
+                except Exception:
+                    queued = False
                 if not queued or corrections:
                     self._count_span_loss_and_corrections(queued, corrections)
         if not counted:
@@ -254,12 +264,6 @@ class HiCacheTelemetry:
                 ints[slot] -= n
             return False
         return True
-
-    def _put(self, t: validation.Transfer) -> bool:
-        try:  # a slot is published only once whole: a failure leaves the ring as it was
-            return self._channel.put_transfer(t)
-        except Exception:
-            return False
 
     def _warn_transfer(self, corrections: tuple[Problem, ...], queued: bool) -> None:
         for problem in corrections:
@@ -430,11 +434,13 @@ class HiCacheTelemetry:
         """``check(*args)``, or None after counting the refusal (never raises)."""
         try:
             return check(*args)
-        except Rejected as rejected:
-            self._reject(kind, rejected.problem)
-        except Exception:
-            self._reject(kind, Problem.MALFORMED)
+        except Exception as exc:
+            self._refuse(kind, exc)
         return None
+
+    def _refuse(self, kind: RecordKind, exc: Exception) -> None:
+        """Count a record its check refused (an unexpected error: malformed)."""
+        self._reject(kind, exc.problem if isinstance(exc, Rejected) else Problem.MALFORMED)
 
     def _add(self, adds: list[tuple[int, int]]) -> None:
         with self._lock:

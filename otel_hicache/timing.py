@@ -105,14 +105,15 @@ def elapsed_seconds(start: Any, finish: Any, timing_enabled: bool = True) -> flo
 class WallClockAnchor:
     """Maps monotonic nanoseconds to epoch nanoseconds through one (wall, monotonic) pair taken together."""
 
-    __slots__ = ("monotonic_ns", "wall_ns")
+    __slots__ = ("monotonic_ns", "offset_ns", "wall_ns")
 
     def __init__(self) -> None:
         self.monotonic_ns = time.monotonic_ns()
         self.wall_ns = time.time_ns()
+        self.offset_ns = self.wall_ns - self.monotonic_ns  # epoch = monotonic + offset (no call on a hot path)
 
     def to_epoch_ns(self, monotonic_ns: int) -> int:
-        return self.wall_ns + (monotonic_ns - self.monotonic_ns)
+        return monotonic_ns + self.offset_ns
 
     def now_ns(self) -> int:
         """Epoch nanoseconds now, on the monotonic clock (immune to wall-clock steps)."""

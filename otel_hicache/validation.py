@@ -189,6 +189,9 @@ def _links(value: Any, corrections: list[Problem]) -> tuple[Link, ...]:
     return links
 
 
+_new_transfer = tuple.__new__
+
+
 class Site(NamedTuple):
     """What every transfer reported from one place of a producer shares (an SGLang ack queue: its operation, write
     policy and io backend), checked once by :func:`site`; each transfer then has only its own values checked
@@ -277,21 +280,24 @@ def _transfer(
         seconds = copy_s if type(copy_s) is float and 0.0 <= copy_s <= MAX_DURATION_S else duration(copy_s)
         if timing is TimingSource.NONE:  # a duration must say how it was measured
             raise Rejected(Problem.UNKNOWN_TIMING_SOURCE)
-    return Transfer(
-        op,
-        tokens,
-        total_bytes,
-        pool_bytes,
-        start,
-        end,
-        seconds,
-        timing,
-        merged if type(merged) is int and 0 <= merged <= MAX_TOKENS else count(merged),
-        nodes if type(nodes) is int and 0 <= nodes <= MAX_TOKENS else count(nodes),
-        policy,
-        backend,
-        _links(links, corrections) if links else (),
-        tuple(corrections),
+    return _new_transfer(  # the tuple, made in C (a NamedTuple's own __new__ is one more Python frame per transfer)
+        Transfer,
+        (
+            op,
+            tokens,
+            total_bytes,
+            pool_bytes,
+            start,
+            end,
+            seconds,
+            timing,
+            merged if type(merged) is int and 0 <= merged <= MAX_TOKENS else count(merged),
+            nodes if type(nodes) is int and 0 <= nodes <= MAX_TOKENS else count(nodes),
+            policy,
+            backend,
+            _links(links, corrections) if links else (),
+            tuple(corrections),
+        ),
     )
 
 

@@ -144,14 +144,13 @@ class AckReporter:
         if submitted is None:
             return  # submitted inside suppress_instrumentation(): not reported
         submit_ns, merged = submitted
-        nodes = ack.node_ids
-        complete = ANCHOR.to_epoch_ns(done_ns)
+        nodes, epoch = ack.node_ids, ANCHOR.offset_ns  # monotonic -> epoch ns
         self.report(
             self.site,
             ack.num_tokens_by_pool or {},
             ack.num_bytes,  # one total across pools: SGLang does not split bytes by pool
-            complete if submit_ns is None else ANCHOR.to_epoch_ns(submit_ns),
-            complete,
+            (done_ns if submit_ns is None else submit_ns) + epoch,
+            done_ns + epoch,
             # the ack was consumed, so its finish event is complete: no sync here
             elapsed_seconds(ack.start_event, ack.finish_event) if ack.timing_enabled else None,
             merged,
