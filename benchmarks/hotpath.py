@@ -28,6 +28,7 @@ from benchmarks._common import Table, flush_cpu_ns, median, percentile
 from benchmarks.ackpath import (
     BACKUP,
     LOAD_BACK,
+    DeferredOtelHiCacheReporter,
     EventPool,
     NaiveOtelReporter,
     OtelHiCacheReporter,
@@ -41,6 +42,7 @@ from otel_hicache.sdk import TelemetrySetup, configure
 #: Goals for otel_hicache (OTLP): added calling-thread CPU vs prometheus_client's, and added host-process CPU.
 RATIO_GOAL = 0.3
 HOST_CPU_GOAL_NS = 10_000
+DEFERRED = "otel_hicache deferred (as the SGLang adapter), OTLP"
 BYTES_PER_TOKEN = 131_072  # Llama-3-8B bf16 KV: 32 layers x 8 kv heads x 128 dim x 2 (K, V) x 2 bytes
 
 
@@ -79,6 +81,7 @@ def run(params: Params, device: str = "cpu", command: str = "") -> Table:
         _Path("naive OTel SDK, OTLP", NaiveOtelReporter(otlp.tracer_provider, otlp.meter_provider),
               otlp.force_flush),
         _Path("otel_hicache, OTLP", OtelHiCacheReporter(otlp.telemetry, events.source), otlp.force_flush),
+        _Path(DEFERRED, DeferredOtelHiCacheReporter(otlp.telemetry, events.source), otlp.force_flush),
         _Path("naive OTel SDK, embedded", NaiveOtelReporter(embedded.tracer_provider, embedded.meter_provider),
               embedded.force_flush),
         _Path("otel_hicache, embedded", OtelHiCacheReporter(embedded.telemetry, events.source),
@@ -130,8 +133,9 @@ def _ground_truth(paths: list[_Path], prom: PrometheusReporter, otlp: TelemetryS
     checks["prometheus_client tokens == ground truth"] = all(
         prom.total(op, "tokens") == truth[op.value] for op in (BACKUP, LOAD_BACK)
     )
-    for label, setup in (("OTLP", otlp), ("embedded", embedded)):
-        truth = by_name[f"otel_hicache, {label}"].tokens
+    for label, setup, names in (("OTLP", otlp, ("otel_hicache, OTLP", DEFERRED)),
+                                ("embedded", embedded, ("otel_hicache, embedded",))):  # fmt: skip
+        truth = {op.value: sum(by_name[name].tokens[op.value] for name in names) for op in (BACKUP, LOAD_BACK)}
         snap = setup.telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS]
         checks[f"otel_hicache {label} tokens == ground truth"] = all(
             snap.get((op.value, "kv"), 0) == truth[op.value] for op in (BACKUP, LOAD_BACK)
@@ -166,9 +170,12 @@ def _table(paths: list[_Path], params: Params, device: str, checks: dict[str, bo
             "ratio_vs_prometheus": ratio, "wall_p50": median(p.wall), "wall_p99": percentile(p.wall, 99),
             "total_cpu_p50": median(p.total), "added_total_cpu_p50": median(p.total) - base_total,
         }  # fmt: skip
-    hicache = table.data["otel_hicache, OTLP"]
-    table.data["goal_met"] = bool(hicache["ratio_vs_prometheus"] <= RATIO_GOAL)
-    table.data["host_cpu_goal_met"] = bool(hicache["added_total_cpu_p50"] <= HOST_CPU_GOAL_NS)
+    goals = {}
+    for name in ("otel_hicache, OTLP", DEFERRED):
+        ours = table.data[name]
+        goals[name] = {"ratio": bool(ours["ratio_vs_prometheus"] <= RATIO_GOAL),
+                       "host_cpu": bool(ours["added_total_cpu_p50"] <= HOST_CPU_GOAL_NS)}  # fmt: skip
+    table.data["goals"] = goals
     table.notes += [
         f"{params.reps} interleaved repetitions x {params.batches_per_block} batches x {params.batch} acks per path; "
         "batches alternate backup (writing_check) and load_back (loading_check); one {'kv': 64..512 tokens} ack, "
@@ -183,9 +190,16 @@ def _table(paths: list[_Path], params: Params, device: str, checks: dict[str, bo
         f"the uninstrumented path's (goal for otel_hicache, OTLP: <= {HOST_CPU_GOAL_NS / 1e3:g} us).",
         "embedded = configure() with no endpoint (no collector: the summary's in-process readers). OTLP = "
         "configure(endpoint=..., protocol='grpc'), every span exported to a receiver in a child process.",
-        f"Goals for otel_hicache (OTLP): <= {RATIO_GOAL:g}x prometheus_client added thread CPU: "
-        f"{'met' if table.data['goal_met'] else 'NOT met'} ({hicache['ratio_vs_prometheus']:.2f}x); added "
-        f"host-process CPU <= {HOST_CPU_GOAL_NS / 1e3:g} us per transfer: "
-        f"{'met' if table.data['host_cpu_goal_met'] else 'NOT met'} ({hicache['added_total_cpu_p50'] / 1e3:.1f} us).",
+        f"{DEFERRED}: the calling thread puts the ack on a queue of the reporter's own, the telemetry's host thread "
+        "reports it with record_transfer_at (as the SGLang adapter does with each consumed ack; its host-process "
+        "CPU includes that thread's work, settled by the flush).",
     ]
+    for name, met in goals.items():
+        ours = table.data[name]
+        table.notes.append(
+            f"Goals for {name}: <= {RATIO_GOAL:g}x prometheus_client added thread CPU: "
+            f"{'met' if met['ratio'] else 'NOT met'} ({ours['ratio_vs_prometheus']:.2f}x); added host-process CPU "
+            f"<= {HOST_CPU_GOAL_NS / 1e3:g} us per transfer: {'met' if met['host_cpu'] else 'NOT met'} "
+            f"({ours['added_total_cpu_p50'] / 1e3:.1f} us)."
+        )
     return table

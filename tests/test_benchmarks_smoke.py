@@ -59,11 +59,12 @@ def test_every_correctness_check_passed(smoke: tuple[str, dict[str, Any]]) -> No
     assert all(checks.values()), [name for name, ok in checks.items() if not ok]
 
 
-def test_hot_path_measures_all_six_paths_with_sane_numbers(smoke: tuple[str, dict[str, Any]]) -> None:
+def test_hot_path_measures_all_seven_paths_with_sane_numbers(smoke: tuple[str, dict[str, Any]]) -> None:
     data = smoke[1]["hotpath"]["data"]
-    paths = [k for k in data if not k.endswith("goal_met")]
-    assert len(paths) == 6
-    assert {"uninstrumented", "prometheus_client (SGLang today)", "otel_hicache, OTLP"} <= set(paths)
+    paths = [k for k in data if k != "goals"]
+    assert len(paths) == 7
+    assert {"uninstrumented", "prometheus_client (SGLang today)", *OURS_HOTPATH} <= set(paths)
+    assert set(data["goals"]) == set(OURS_HOTPATH)
     for name in paths:
         for field in ("cpu_p50", "cpu_p99", "wall_p50", "wall_p99", "total_cpu_p50"):
             assert _sane(data[name][field]), (name, field, data[name][field])
@@ -71,6 +72,7 @@ def test_hot_path_measures_all_six_paths_with_sane_numbers(smoke: tuple[str, dic
     assert math.isfinite(data["otel_hicache, OTLP"]["ratio_vs_prometheus"])
 
 
+OURS_HOTPATH = ("otel_hicache, OTLP", "otel_hicache deferred (as the SGLang adapter), OTLP")
 OURS = ("otel_hicache, OTLP (receiver in a child process)", "otel_hicache deferred (as the SGLang adapter), OTLP")
 
 
