@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from opentelemetry.trace import SpanContext
 
@@ -33,6 +33,8 @@ _ERRORS: dict[str, str] = {e: e for e in sc.TRANSFER_ERRORS}
 #: The largest timestamp a record may carry (epoch nanoseconds as int64).
 MAX_TIME_NS = (1 << 63) - 1
 
+
+_Member = TypeVar("_Member")
 
 #: The known pool names, each mapped to itself: lookups return our own string object.
 Pools = Mapping[str, str]
@@ -206,8 +208,13 @@ class Site(NamedTuple):
 
 def site(operation: Any, timing_source: Any, write_policy: Any, io_backend: Any) -> Site:
     corrections: list[Problem] = []
-    return Site(_operation(operation), _timing_source(timing_source), _label(write_policy, corrections),
-                _label(io_backend, corrections), tuple(corrections))  # fmt: skip
+    return Site(
+        _member(OPERATIONS, operation, Problem.UNKNOWN_OPERATION),
+        _member(TIMING_SOURCES, timing_source, Problem.UNKNOWN_TIMING_SOURCE),
+        _label(write_policy, corrections),
+        _label(io_backend, corrections),
+        tuple(corrections),
+    )
 
 
 def transfer(record: Any, known: Pools) -> Transfer:
@@ -216,7 +223,8 @@ def transfer(record: Any, known: Pools) -> Transfer:
         raise Rejected(Problem.MALFORMED)
     (operation, tokens_by_pool, num_bytes, submit, complete, copy_s, source, merged, nodes, bytes_by_pool, policy,
      backend, links) = record  # fmt: skip
-    op, timing = _operation(operation), _timing_source(source)
+    op = _member(OPERATIONS, operation, Problem.UNKNOWN_OPERATION)
+    timing = _member(TIMING_SOURCES, source, Problem.UNKNOWN_TIMING_SOURCE)
     corrections: list[Problem] = []
     policy, backend = _label(policy, corrections), _label(backend, corrections)
     return _transfer(op, timing, policy, backend, corrections, known, tokens_by_pool, num_bytes, bytes_by_pool, submit,
@@ -236,24 +244,16 @@ def transfer_at(
                      num_bytes, None, submit, complete, copy_s, merged, nodes, links)  # fmt: skip
 
 
-def _operation(operation: Any) -> TransferOperation:
+def _member(table: Mapping[str, _Member], value: Any, problem: Problem) -> _Member:
+    """``table``'s member for ``value`` (one of our own enum members, never the producer's object), else
+    :class:`Rejected`."""
     try:
-        op = OPERATIONS.get(operation)
-    except TypeError:
-        op = None
-    if op is None:
-        raise Rejected(Problem.UNKNOWN_OPERATION)
-    return op
-
-
-def _timing_source(source: Any) -> TimingSource:
-    try:
-        timing = TIMING_SOURCES.get(source)
-    except TypeError:
-        timing = None
-    if timing is None:
-        raise Rejected(Problem.UNKNOWN_TIMING_SOURCE)
-    return timing
+        member = table.get(value)
+    except TypeError:  # unhashable
+        member = None
+    if member is None:
+        raise Rejected(problem)
+    return member
 
 
 def _transfer(
