@@ -40,7 +40,7 @@ from benchmarks.ackpath import (
 )
 from otel_hicache import semconv as sc
 from otel_hicache.sdk import configure
-from otel_hicache.telemetry import DEFERRED_TICK_S
+from otel_hicache.telemetry import DEFERRED_TICK_S, HOST_THREAD_NAME
 from otel_hicache.timing import make_timing_event_pair
 
 _SPAN_NAMES = frozenset(sc.SPAN_NAMES.values())
@@ -151,27 +151,41 @@ class _Block:
     transfers: int
     stall_p999: float  # 99.9th percentile of (chunk - median chunk)
     gil_waits: list[float]  # excess (> _GAP_NS) of every chunk or copy in which the scheduler thread blocked
-    rounds: list[tuple[int, int]]  # (CPU, wall) of every round the telemetry's host thread ran during the block
+    rounds: list[tuple[int, int, int]]  # (CPU, wall, CPU in collections) of each host-thread round in the block
 
 
 class _RoundTimer:
     """Times each round of the telemetry's host thread from the holder's side: a round starts when the thread has
     the GIL back (its wait or pause returned) and ends when it pauses. Its CPU time is the work it did holding the
-    GIL (collections it triggered included); its wall time adds any time the OS preempted it meanwhile."""
+    GIL (collections it triggered included, and timed apart: a collection runs on whichever thread's allocation
+    crosses the threshold); its wall time adds any time the OS preempted it meanwhile."""
 
     def __init__(self, telemetry: Any) -> None:
-        self.rounds: list[tuple[int, int]] = []
+        self.rounds: list[tuple[int, int, int]] = []  # (CPU, wall, CPU in collections)
         work, rounds = telemetry._work, self.rounds
         wall, cpu = time.perf_counter_ns, time.thread_time_ns
+        collected = self._collected = [0, 0]  # host-thread CPU in collections so far, start of the current one
 
         def timed(state: dict[str, float]) -> bool:
-            w0, c0 = wall(), cpu()
+            w0, c0, g0 = wall(), cpu(), collected[0]
             try:
                 return bool(work(state))
             finally:
-                rounds.append((cpu() - c0, wall() - w0))
+                rounds.append((cpu() - c0, wall() - w0, collected[0] - g0))
 
         telemetry._work = timed
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if threading.current_thread().name != HOST_THREAD_NAME:
+            return
+        if phase == "start":
+            self._collected[1] = time.thread_time_ns()
+        else:
+            self._collected[0] += time.thread_time_ns() - self._collected[1]
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_collection)
 
 
 class _ControlThread:
@@ -258,6 +272,7 @@ def _run(params: Params, device: str, command: str) -> Table:
         got = _spans_received(collector, sent)
     finally:
         control.stop()
+        timer.close()
         setup.shutdown()
         collector.close()
     checks = {"every otel_hicache transfer arrived as a span at the receiver": got == sent}
@@ -393,20 +408,23 @@ def _table(paths: list[_Path], shapes: list[_Shape], params: Params, device: str
             longest = max(waits, default=0.0)
             over = sum(1 for w in waits if w > GIL_GOAL_NS)
             rounds = [r for b in blocks for r in b.rounds]
-            round_cpu = sorted(c for c, _ in rounds)
+            round_cpu = sorted(c for c, _, _ in rounds)
             longest_round = round_cpu[-1] if round_cpu else 0
+            longest_outside = max((c - g for c, _, g in rounds), default=0)  # the longest without its collection
             round_text = (f"{percentile(round_cpu, 50) / 1e3:,.0f} / {percentile(round_cpu, 99) / 1e3:,.0f} / "
                           f"{longest_round / 1e3:,.0f}") if round_cpu else "-"  # fmt: skip
-            longest_wall = max((w for _, w in rounds), default=0)
-            wall_p999 = percentile(sorted(w for _, w in rounds), 99.9) if rounds else 0.0
-            rounds_over = sum(1 for c, _ in rounds if c > GIL_GOAL_NS)
+            longest_wall = max((w for _, w, _ in rounds), default=0)
+            wall_p999 = percentile(sorted(w for _, w, _ in rounds), 99.9) if rounds else 0.0
+            rounds_over = sum(1 for c, _, _ in rounds if c > GIL_GOAL_NS)
+            over_in_collection = sum(1 for c, _, g in rounds if c > GIL_GOAL_NS and g > 0)
             achieved = median([b.transfers / b.wall * 1e9 for b in blocks])
             stall = _stat(blocks, "stall_p999")
             table.rows.append([
                 f"{rate:g}", p.name, achieved, stats["p50"] / 1e3, stats["p99"] / 1e3, stats["mean"] / 1e3,
                 *(["-"] * 3 if p is off else [f"{inflation[p.name][k]:+.1f}%" for k in ("p50", "p99", "mean")]),
                 *(["-"] * 2 if p is off else [cpu / 1e3, whole / 1e3]),
-                *([round_text, rounds_over, f"{wall_p999 / 1e3:,.0f} / {longest_wall / 1e3:,.0f}"]
+                *([round_text, f"{rounds_over} ({over_in_collection} with a collection)",
+                   f"{wall_p999 / 1e3:,.0f} / {longest_wall / 1e3:,.0f}"]
                   if p.name in OURS else ["-"] * 3),
                 longest / 1e3, over, stall / 1e3,
             ])  # fmt: skip
@@ -418,6 +436,8 @@ def _table(paths: list[_Path], shapes: list[_Shape], params: Params, device: str
                 "host_thread_rounds": len(rounds), "longest_host_thread_round_ns": longest_round,
                 "host_thread_round_p99_ns": percentile(round_cpu, 99) if round_cpu else 0.0,
                 "host_thread_rounds_over_goal": rounds_over, "host_thread_round_wall_p999_ns": wall_p999,
+                "host_thread_rounds_over_goal_with_a_collection": over_in_collection,
+                "longest_host_thread_round_outside_collections_ns": longest_outside,
                 "longest_host_thread_round_wall_ns": longest_wall,
                 "steps": len(blocks) * shape.steps, "blocks": len(blocks),
             }  # fmt: skip
@@ -439,7 +459,9 @@ def _table(paths: list[_Path], shapes: list[_Shape], params: Params, device: str
                 + f" (p50/p99/mean {'/'.join(f'{inflation[ours][k]:+.1f}' for k in ('p50', 'p99', 'mean'))} vs "
                 f"{'/'.join(f'{inflation[PROMETHEUS][k]:+.1f}' for k in ('p50', 'p99', 'mean'))} points; "
                 f"CPU {data['host_cpu_ns_per_transfer'] / 1e3:.1f} us; longest host-thread round "
-                f"{data['longest_host_thread_round_ns'] / 1e3:.0f} us CPU of {data['host_thread_rounds']} rounds)."
+                f"{data['longest_host_thread_round_ns'] / 1e3:.0f} us CPU of {data['host_thread_rounds']} rounds, "
+                f"{data['longest_host_thread_round_outside_collections_ns'] / 1e3:.0f} us without the collections it "
+                "ran)."
             )
         for name in (PROMETHEUS, *OURS):
             parts = table.data[f"{rate:g}/{name}"]["host_cpu_parts_ns_per_transfer"]

@@ -66,6 +66,8 @@ PAUSE_S = 0.0002
 #: of the GIL, caches both threads find cold), so fewer wakes with more records each cost it less; what a SIGKILL
 #: loses is at most one tick of consumed acks (``benchmarks sigkill``).
 DEFERRED_TICK_S = 0.05
+#: The host thread's name (what a profiler or py-spy shows).
+HOST_THREAD_NAME = "otel-hicache-host"
 #: How often the host thread reads the pool-usage sources.
 POOL_INTERVAL_S = 1.0
 #: How long a read of the counters (snapshot, collection) waits for deferred records to be counted.
@@ -486,7 +488,7 @@ class HiCacheTelemetry:
                 return
             # The thread holds the telemetry weakly: a telemetry dropped without shutdown() is freed, thread and all.
             self._worker = threading.Thread(target=_run, args=(weakref.ref(self), self._wake), daemon=True,
-                                            name="otel-hicache-host")  # fmt: skip
+                                            name=HOST_THREAD_NAME)  # fmt: skip
         self._worker.start()
 
     def _work(self, state: dict[str, float]) -> bool:
