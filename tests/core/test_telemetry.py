@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 from opentelemetry import trace
@@ -322,6 +323,47 @@ class TestTransferSites:
         sdk.telemetry.record_transfer_at(forged, {"kv": 1}, 100, T0, T0)
         sdk.telemetry.record_transfer_at(None, {"kv": 1}, 100, T0, T0)  # type: ignore[arg-type]
         assert sdk.counters()[sc.METRIC_RECORDS_REJECTED] == {("transfer", "malformed"): 2}
+
+    def test_a_forged_site_label_never_runs_its_code_under_the_telemetrys_lock(self) -> None:
+        sdk = make_sdk()
+
+        class Reentrant(str):
+            def __hash__(self) -> int:
+                sdk.telemetry.record_failure(TransferFailure(TransferOperation.BACKUP, "host_pool_full", {"kv": 1}, T0))
+                return str.__hash__(self)
+
+        forged = validation.Site(TransferOperation.BACKUP, TimingSource.NONE, Reentrant("write_back"), None, ())
+        caller = threading.Thread(target=sdk.telemetry.record_transfer_at, args=(forged, {"kv": 1}, 100, T0, T0),
+                                  daemon=True)  # fmt: skip
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), "a site's label read under the telemetry's lock deadlocked it"
+        try:
+            counters = sdk.counters()
+            assert counters[sc.METRIC_RECORDS_REJECTED] == {("transfer", "malformed"): 1}
+            assert counters[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")] == 0 and sdk.spans() == []
+        finally:
+            sdk.shutdown()
+
+    @pytest.mark.parametrize(
+        ("write_policy", "corrections"),
+        [
+            (5, ()),  # not a string: site() leaves it out
+            ("w" * 33, ()),  # longer than site() keeps
+            (None, ("made_up",)),  # not a problem name
+            (None, (sc.Problem.QUEUE_FULL,)),  # a refusal, not a correction site() can note
+            (None, None),
+        ],
+    )
+    def test_a_site_with_values_site_never_makes_is_refused_whole_never_raised(
+        self, sdk: Sdk, write_policy: object, corrections: object
+    ) -> None:
+        forged = validation.Site(TransferOperation.BACKUP, TimingSource.NONE, write_policy, None, corrections)  # type: ignore[arg-type]
+        sdk.telemetry.record_transfer_at(forged, {"kv": 1}, 100, T0, T0)
+        counters = sdk.counters()
+        assert counters[sc.METRIC_RECORDS_REJECTED] == {("transfer", "malformed"): 1}
+        assert counters[sc.METRIC_RECORDS_NORMALIZED] == {}
+        assert counters[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")] == 0 and sdk.spans() == []
 
 
 class TestNeverHarmTheHost:
