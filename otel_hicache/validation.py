@@ -203,7 +203,11 @@ class Site(NamedTuple):
     timing_source: TimingSource  # how the site's copy durations are measured (a transfer without one: NONE)
     write_policy: str | None
     io_backend: str | None
-    corrections: tuple[Problem, ...]  # a label cut or left out: counted with each transfer
+    corrections: tuple[Problem, ...]  # a label left out (not a string): counted with each transfer
+
+
+#: What :func:`site` may note about a site's labels.
+_SITE_CORRECTIONS = frozenset({Problem.BAD_ATTRIBUTE})
 
 
 def site(operation: Any, timing_source: Any, write_policy: Any, io_backend: Any) -> Site:
@@ -237,11 +241,18 @@ def transfer_at(
 ) -> Transfer:  # fmt: skip
     """Check one transfer of a checked :class:`Site`: no record object, and the site's values are not checked
     again (an adapter's hottest path)."""
-    op, timing = at.operation, at.timing_source
-    if type(op) is not TransferOperation or type(timing) is not TimingSource:
-        raise Rejected(Problem.MALFORMED)  # a Site not made by site()
-    return _transfer(op, timing, at.write_policy, at.io_backend, list(at.corrections), known, tokens_by_pool,
-                     num_bytes, None, submit, complete, copy_s, merged, nodes, links)  # fmt: skip
+    op, timing, policy, backend, corrections = at
+    if (
+        type(op) is not TransferOperation
+        or type(timing) is not TimingSource
+        or (policy is not None and (type(policy) is not str or len(policy) > MAX_LABEL_BYTES))
+        or (backend is not None and (type(backend) is not str or len(backend) > MAX_LABEL_BYTES))
+        or type(corrections) is not tuple
+        or not _SITE_CORRECTIONS.issuperset(corrections)
+    ):  # a Site not made by site(): none of its objects may reach the counters or the ring (read under the lock)
+        raise Rejected(Problem.MALFORMED)
+    return _transfer(op, timing, policy, backend, list(corrections), known, tokens_by_pool, num_bytes, None, submit,
+                     complete, copy_s, merged, nodes, links)  # fmt: skip
 
 
 def _member(table: Mapping[str, _Member], value: Any, problem: Problem) -> _Member:
