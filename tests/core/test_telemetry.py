@@ -199,6 +199,13 @@ class TestSpans:
         assert "hicache.transfer.copy_duration" not in span.attributes
         assert span.attributes["hicache.timing.source"] == "none"
 
+    def test_a_label_longer_than_a_span_keeps_is_cut_between_characters(self, sdk: Sdk) -> None:
+        policy = "\u20ac" * 11  # 11 characters, 33 bytes in UTF-8: one byte past MAX_LABEL_BYTES
+        sdk.telemetry.record_transfer(backup(write_policy=policy, io_backend="k" * 40))
+        (span,) = sdk.spans()
+        assert span.attributes["hicache.write_policy"] == "\u20ac" * 10  # never half a character (U+FFFD)
+        assert span.attributes["hicache.io_backend"] == "k" * 32
+
     def test_transfer_links_to_the_request_spans_it_served(self, sdk: Sdk) -> None:
         tracer = sdk.tracer_provider.get_tracer("server")
         with tracer.start_as_current_span("request-a") as a, tracer.start_as_current_span("request-b") as b:
