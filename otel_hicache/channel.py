@@ -124,7 +124,9 @@ class Channel:
     def _label(self, value: str | None) -> bytes:
         encoded = self._labels.get(value)
         if encoded is None:
-            encoded = value.encode("utf-8", "replace")[:MAX_LABEL_BYTES] if value else b""
+            # cut between characters: half of one would reach the span as U+FFFD
+            cut = value.encode("utf-8", "replace")[:MAX_LABEL_BYTES] if value else b""
+            encoded = cut.decode("utf-8", "ignore").encode("utf-8")
             if len(self._labels) < 256:  # write policies and io backends are a handful of names
                 self._labels[value] = encoded
         return encoded
