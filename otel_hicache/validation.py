@@ -240,7 +240,7 @@ def transfer_at(
     merged: Any, nodes: Any, links: Any,
 ) -> Transfer:  # fmt: skip
     """Check one transfer of a checked :class:`Site`: no record object, and the site's values are not checked
-    again (an adapter's hottest path)."""
+    again, only that they are what :func:`site` makes (an adapter's hottest path)."""
     op, timing, policy, backend, corrections = at
     if (
         type(op) is not TransferOperation
@@ -248,7 +248,7 @@ def transfer_at(
         or (policy is not None and (type(policy) is not str or len(policy) > MAX_LABEL_BYTES))
         or (backend is not None and (type(backend) is not str or len(backend) > MAX_LABEL_BYTES))
         or type(corrections) is not tuple
-        or not _SITE_CORRECTIONS.issuperset(corrections)
+        or (corrections and not _SITE_CORRECTIONS.issuperset(corrections))
     ):  # a Site not made by site(): none of its objects may reach the counters or the ring (read under the lock)
         raise Rejected(Problem.MALFORMED)
     return _transfer(op, timing, policy, backend, list(corrections), known, tokens_by_pool, num_bytes, None, submit,
