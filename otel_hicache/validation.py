@@ -241,6 +241,24 @@ def transfer_at(
 ) -> Transfer:  # fmt: skip
     """Check one transfer of a checked :class:`Site`: no record object, and the site's values are not checked
     again, only that they are what :func:`site` makes (an adapter's hottest path)."""
+    if at is not _last_site[0]:
+        _check_site(at)
+        _last_site[0] = at
+    op, timing, policy, backend, corrections = at
+    return _transfer(op, timing, policy, backend, list(corrections), known, tokens_by_pool, num_bytes, None, submit,
+                     complete, copy_s, merged, nodes, links)  # fmt: skip
+
+
+#: The last site found to be what :func:`site` makes. A ``Site`` (exactly) holds only immutable values, so it stays
+#: one: an adapter's transfers, mostly of one site in a row, skip the check by identity.
+_last_site: list[Site | None] = [None]
+
+
+def _check_site(at: Any) -> None:
+    """Refuse a site :func:`site` could not have made: none of its objects may reach the counters or the ring (read
+    under the telemetry's lock), where a label's ``__hash__`` could run code."""
+    if type(at) is not Site:
+        raise Rejected(Problem.MALFORMED)
     op, timing, policy, backend, corrections = at
     if (
         type(op) is not TransferOperation
@@ -248,11 +266,9 @@ def transfer_at(
         or (policy is not None and (type(policy) is not str or len(policy) > MAX_LABEL_BYTES))
         or (backend is not None and (type(backend) is not str or len(backend) > MAX_LABEL_BYTES))
         or type(corrections) is not tuple
-        or (corrections and not _SITE_CORRECTIONS.issuperset(corrections))
-    ):  # a Site not made by site(): none of its objects may reach the counters or the ring (read under the lock)
+        or not _SITE_CORRECTIONS.issuperset(corrections)
+    ):
         raise Rejected(Problem.MALFORMED)
-    return _transfer(op, timing, policy, backend, list(corrections), known, tokens_by_pool, num_bytes, None, submit,
-                     complete, copy_s, merged, nodes, links)  # fmt: skip
 
 
 def _member(table: Mapping[str, _Member], value: Any, problem: Problem) -> _Member:
