@@ -161,20 +161,22 @@ class _Patching:
         self._lock = threading.Lock()
         self._armed = True
         self._done: list[tuple[Any, str]] = []
-        by_module: dict[str, list[tuple[Target, Wrapper]]] = {}
+        # by module; emptied by undo(): wrapt keeps a hook until its module is imported, and a hook must not keep
+        # the wrappers (and the telemetry they report to) alive after uninstrument()
+        self._pending: dict[str, list[tuple[Target, Wrapper]]] = {}
         for target, wrapper in patches:
-            by_module.setdefault(target.module, []).append((target, wrapper))
-        for module, module_patches in by_module.items():
+            self._pending.setdefault(target.module, []).append((target, wrapper))
+        for module in list(self._pending):
             # Fires at once where the module is already imported, else right after the engine imports it.
-            wrapt.register_post_import_hook(self._hook(module_patches), module)
+            wrapt.register_post_import_hook(self._hook(module), module)
 
-    def _hook(self, patches: list[tuple[Target, Wrapper]]) -> Callable[[ModuleType], None]:
+    def _hook(self, module_name: str) -> Callable[[ModuleType], None]:
         def apply(module: ModuleType) -> None:
             missing = []
             with self._lock:
                 if not self._armed:  # uninstrumented before the engine imported this module
                     return
-                for target, wrapper in patches:
+                for target, wrapper in self._pending.pop(module_name, []):
                     holder = getattr(module, target.owner, None) if target.owner else module
                     if holder is None or target.attribute not in vars(holder):
                         missing.append(".".join(filter(None, (target.owner, target.attribute))))
@@ -197,6 +199,7 @@ class _Patching:
         with self._lock:
             self._armed = False
             done, self._done = self._done, []
+            self._pending.clear()
         for holder, attribute in reversed(done):
             if _is_ours(vars(holder).get(attribute)):
                 unwrap(holder, attribute)

@@ -7,8 +7,10 @@ nothing behind after ``uninstrument()`` (also when the engine was never imported
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -135,3 +137,17 @@ def test_a_wrapper_marked_checks_suppression_is_installed_unguarded(toy_engine_p
     finally:
         instrumentor.uninstrument()
     assert seen == [True, False]
+
+
+def test_instrument_cycles_before_the_engine_is_imported_keep_no_old_telemetry_alive(toy_engine_path: None) -> None:
+    instrumentor = ToyInstrumentor()
+    old: list[weakref.ref[HiCacheTelemetry]] = []
+    for _ in range(3):
+        telemetry = HiCacheTelemetry()
+        instrumentor.instrument(telemetry=telemetry)
+        instrumentor.uninstrument()  # toy_engine never imported: wrapt keeps each cycle's post-import hook
+        telemetry.shutdown()
+        old.append(weakref.ref(telemetry))
+    del telemetry
+    gc.collect()
+    assert [ref() is None for ref in old[:-1]] == [True, True]  # the instrumentor keeps only its last sink
