@@ -199,6 +199,8 @@ class HiCacheTelemetry:
             return validation.site(operation, timing_source, write_policy, io_backend)
         except Rejected as rejected:
             raise ValueError(f"transfer_site: {rejected.problem.value}: {operation!r}, {timing_source!r}") from None
+        except Exception as exc:  # a label that cannot be read as a string
+            raise ValueError(f"transfer_site: unreadable write_policy or io_backend ({exc!r})") from None
 
     def record_transfer_at(
         self,

@@ -325,6 +325,14 @@ class TestTransferSites:
         with pytest.raises(ValueError, match="unknown_timing_source"):
             sdk.telemetry.transfer_site(TransferOperation.BACKUP, timing_source="sundial")  # type: ignore[arg-type]
 
+    def test_a_site_label_that_cannot_be_read_is_refused_as_a_value_error(self, sdk: Sdk) -> None:
+        class Unreadable(str):
+            def __str__(self) -> str:
+                raise RuntimeError("no")
+
+        with pytest.raises(ValueError, match="unreadable"):
+            sdk.telemetry.transfer_site(TransferOperation.BACKUP, write_policy=Unreadable("x" * 40))
+
     def test_a_site_not_made_by_the_telemetry_is_refused_never_raised(self, sdk: Sdk) -> None:
         forged = validation.Site("teleport", TimingSource.NONE, None, None, ())  # type: ignore[arg-type]
         sdk.telemetry.record_transfer_at(forged, {"kv": 1}, 100, T0, T0)
