@@ -76,6 +76,9 @@ class Transfer(NamedTuple):
     corrections: tuple[Problem, ...]  # what was normalized, each counted once for this record
 
 
+_new_transfer = tuple.__new__  # a Transfer made in C: a NamedTuple's own __new__ is one more Python frame
+
+
 def count(value: Any, limit: int = MAX_TOKENS) -> int:
     """A sane non-negative integer as ``int`` (numpy and torch integers included), else :class:`Rejected`."""
     if type(value) is not int:
@@ -191,9 +194,6 @@ def _links(value: Any, corrections: list[Problem]) -> tuple[Link, ...]:
     return links
 
 
-_new_transfer = tuple.__new__
-
-
 class Site(NamedTuple):
     """What every transfer reported from one place of a producer shares (an SGLang ack queue: its operation, write
     policy and io backend), checked once by :func:`site`; each transfer then has only its own values checked
@@ -211,6 +211,7 @@ _SITE_CORRECTIONS = frozenset({Problem.BAD_ATTRIBUTE})
 
 
 def site(operation: Any, timing_source: Any, write_policy: Any, io_backend: Any) -> Site:
+    """Check what a site's transfers share (:class:`Rejected` for an unknown operation or timing source)."""
     corrections: list[Problem] = []
     return Site(
         _member(OPERATIONS, operation, Problem.UNKNOWN_OPERATION),
@@ -307,7 +308,7 @@ def _transfer(
         seconds = copy_s if type(copy_s) is float and 0.0 <= copy_s <= MAX_DURATION_S else duration(copy_s)
         if timing is TimingSource.NONE:  # a duration must say how it was measured
             raise Rejected(Problem.UNKNOWN_TIMING_SOURCE)
-    return _new_transfer(  # the tuple, made in C (a NamedTuple's own __new__ is one more Python frame per transfer)
+    return _new_transfer(
         Transfer,
         (
             op,
