@@ -35,7 +35,7 @@ status=0
 rc=$?; [[ $rc -eq 0 ]] || status=$rc
 
 if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
-  .venv-sglang/bin/python -m pytest -p no:cacheprovider -m sglang tests/sglang "$@"
+  .venv-sglang/bin/python -m pytest -p no:cacheprovider -m sglang tests/sglang tests/test_benchmarks_smoke.py "$@"
   rc=$?; [[ $rc -eq 0 || $rc -eq 5 ]] || status=$rc
 fi
 if [[ "${SKIP_VLLM:-0}" != 1 ]]; then
