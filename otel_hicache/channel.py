@@ -133,7 +133,7 @@ class Channel:
 
     def put_transfer(self, t: Transfer) -> bool:
         """Pack a checked transfer into the next slot; False when the ring is full."""
-        ints = self.ints
+        ints = self.ints  # _claim() inline: one Python frame less on every transfer
         write: int = ints[WRITE]
         if write - ints[READ] >= self.capacity:
             return False
