@@ -168,6 +168,9 @@ def demo(
         from otel_hicache.cache.demo import DEMO_POOLS, run_demo
     except ImportError as exc:  # a broken install, not a user error
         raise click.ClickException(f"the reference cache is not available: {exc}") from exc
+    # This process is the application: it turns the SDK's own pipeline metrics on (configure() never changes the
+    # environment; the export process turns them on in its own)
+    os.environ.setdefault("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
     try:
         from otel_hicache.sdk import configure
         from otel_hicache.summary import summarize

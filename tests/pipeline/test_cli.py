@@ -117,6 +117,7 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     (["--storage-dir", "/etc/hostname"], {}, "Invalid value for '--storage-dir'"),
     ([], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://[::1' is not valid"),
     ([], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:99999"}, "OTEL_EXPORTER_OTLP_ENDPOINT="),
+    ([], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317 "}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://collector:4317 ' is not valid"),
     ([], {"OTEL_PYTHON_CONTEXT": "nope"}, "OTEL_PYTHON_CONTEXT='nope' is not valid"),
     ([], {"OTEL_EXPORTER_OTLP_PROTOCOL": "udp"}, "OTEL_EXPORTER_OTLP_PROTOCOL='udp' is not supported"),
     ([], {"OTEL_EXPORTER_OTLP_HEADERS": "api key=1"}, "OTEL_EXPORTER_OTLP_HEADERS: header name 'api key'"),
