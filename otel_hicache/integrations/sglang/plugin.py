@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from opentelemetry import metrics, trace
+from opentelemetry import metrics
 
 from otel_hicache import semconv as sc
 from otel_hicache.integrations.sglang.semconv import SGLANG_POOLS
@@ -90,10 +90,11 @@ def reports_tokens(ranks: Mapping[str, int]) -> bool:
 def ranked_telemetry() -> tuple[HiCacheTelemetry, TelemetrySetup]:
     """Build this process's telemetry from the ``OTEL_*`` environment with its SGLang ranks on the Resource.
 
-    Over OTLP it is exported by an export process that outlives a SIGKILL of this one. This process's providers
-    become the OTel globals only where none is installed: under SGLang's ``--enable-trace`` (set up earlier in
-    ``run_scheduler_process``) or ``opentelemetry-instrument`` the process keeps its one tracer provider, which holds
-    SGLang's request spans; the meter provider carries SGLang's ``sglang:*`` series routed by the stat loggers.
+    Over OTLP it is exported by an export process that outlives a SIGKILL of this one. This process's meter
+    provider (built now, from the same environment) becomes the global one where none is installed: it carries
+    SGLang's ``sglang:*`` series routed by the stat loggers. No tracer provider is installed: SGLang's request spans
+    exist only under its ``--enable-trace`` (set up earlier in ``run_scheduler_process``) or
+    ``opentelemetry-instrument``, which install their own, and the process keeps that one.
     """
     ranks = parallel_ranks()
     attn_tp = ranks.pop("attn_tp", None)
@@ -106,8 +107,6 @@ def ranked_telemetry() -> tuple[HiCacheTelemetry, TelemetrySetup]:
         extra_pools=SGLANG_POOLS,
         token_metrics=reports_tokens({**ranks, **({} if attn_tp is None else {"attn_tp": attn_tp})}),
     )
-    if _unset(trace.get_tracer_provider()):
-        trace.set_tracer_provider(setup.tracer_provider)
     if _unset(metrics.get_meter_provider()):
         metrics.set_meter_provider(setup.meter_provider)
     return setup.telemetry, setup
