@@ -48,7 +48,9 @@ from otel_hicache.version import __version__
 if TYPE_CHECKING:
     from otel_hicache.records import (
         DropRecord,
+        EvictedEntry,
         EvictionRecord,
+        KvWait,
         PoolUsage,
         PrefixSplit,
         TransferFailure,
@@ -59,7 +61,8 @@ if TYPE_CHECKING:
 
 #: Names whose modules import the OTel API, imported on first use: the API reads ``OTEL_PYTHON_CONTEXT`` on import and
 #: logs a traceback for a bad value, and ``import otel_hicache`` (the CLI's first step) must get to check it first.
-_RECORDS = ("DropRecord", "EvictionRecord", "PoolUsage", "PrefixSplit", "TransferFailure", "TransferRecord")
+_RECORDS = ("DropRecord", "EvictedEntry", "EvictionRecord", "KvWait", "PoolUsage", "PrefixSplit", "TransferFailure",
+            "TransferRecord")  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
@@ -87,8 +90,10 @@ __all__ = [
     "ConfigError",
     "DropReason",
     "DropRecord",
+    "EvictedEntry",
     "EvictionRecord",
     "HiCacheTelemetry",
+    "KvWait",
     "PoolUsage",
     "PrefillMode",
     "PrefixSplit",
