@@ -581,12 +581,11 @@ def main(hangup_fd: int, channel_fd: int, config: dict[str, Any]) -> None:
                       fd=channel_fd)  # fmt: skip
     ints = channel.ints
     ids, collect = RingIds(ints[ID_SEED]), Collect()
-    built, settings = export_providers(config, collect, ids)
-    emitter = Emitter(channel.counters, built.tracer_provider, built.meter_provider, spans=config["spans"],
+    tracer_provider, meter_provider, span_exporter, settings = export_providers(config, collect, ids)
+    emitter = Emitter(channel.counters, tracer_provider, meter_provider, spans=config["spans"],
                       token_metrics=config["token_metrics"])  # fmt: skip
-    sender = _Sender(channel, emitter.emit, ids, collect, built.span_exporter, settings.bsp_max_export_batch_size,
+    sender = _Sender(channel, emitter.emit, ids, collect, span_exporter, settings.bsp_max_export_batch_size,
                      settings.bsp_schedule_delay_ms / 1000)  # fmt: skip
-    meter_provider = built.meter_provider
     ints[READ] = ints[SETTLED]  # what a predecessor took and never settled is built and sent again
     ints[EXPORTER_PID] = os.getpid()
     final_s = config.get("final_timeout_s", FINAL_TIMEOUT_S)
@@ -627,8 +626,10 @@ def main(hangup_fd: int, channel_fd: int, config: dict[str, Any]) -> None:
 
     try:
         sender.build()
-        if built.span_exporter is not None:  # half the time left for spans, whatever the collector does
-            threading.Timer(final_s / 2, built.span_exporter.shutdown).start()
+        if span_exporter is not None:  # half the time left for spans, whatever the collector does
+            cut_off = threading.Timer(final_s / 2, span_exporter.shutdown)
+            cut_off.daemon = True
+            cut_off.start()
         sender.send()
         meter_provider.force_flush(timeout_ms)
     finally:

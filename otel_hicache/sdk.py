@@ -47,7 +47,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -118,14 +118,17 @@ class RecentSpans(SpanExporter):
         return None
 
 
-class _Built(NamedTuple):
-    tracer_provider: TracerProvider
+class _Metrics(NamedTuple):
     meter_provider: MeterProvider
     memory_reader: InMemoryMetricReader | None
-    recent_spans: RecentSpans | None
     prometheus_address: tuple[str, int] | None
     closers: list[Any]
     push_readers: list[MetricReader]
+
+
+class _Traces(NamedTuple):
+    tracer_provider: TracerProvider
+    recent_spans: RecentSpans | None
     span_exporter: SpanExporter | None  # the OTLP span exporter a ``collect`` processor's owner drives itself
 
 
@@ -136,56 +139,59 @@ class TelemetrySetup:
     ``"embedded"``, ``"console"``, ``"prometheus"`` (in-process), ``"none"`` (both exporters ``none``: counted, exported
     nowhere) or ``"disabled"``. ``tracer_provider`` and ``meter_provider`` are this process's providers, exporting the
     same way, for your own spans and metrics (and SGLang's request spans and stat-logger series); in ``otlp`` and
-    ``none`` modes they are built when first asked for (or by ``configure(set_global=True)``), from the same ``env``,
-    so a process that never asks runs no exporter of ours; the telemetry's own spans never go through them there.
+    ``none`` modes each is built when first asked for (or by ``configure(set_global=True)``), from the same ``env``,
+    so a process that never asks runs no exporter, processor or reader of ours; the telemetry's own spans never go
+    through them there.
     """
 
     def __init__(
         self,
         telemetry: HiCacheTelemetry,
         mode: str,
-        built: _Built | None = None,
-        app: Callable[[], _Built] | None = None,
+        sides: tuple[_Metrics, _Traces] | None = None,
+        app: tuple[Settings, Resource] | None = None,
     ) -> None:
         self.telemetry = telemetry
         self.mode = mode
-        self._built = built
-        self._app = app  # builds the app's providers on first use (otlp and none modes)
-        self._app_lock = threading.Lock()
+        self._metrics: _Metrics | None = None if sides is None else sides[0]
+        self._traces: _Traces | None = None if sides is None else sides[1]
+        self._app = app  # what the app's providers are built from on first use (otlp and none modes)
+        self._app_lock = threading.RLock()
         self._closed = False
         self._identity: tuple[Any, ...] | None = None
 
     @property
     def metric_reader(self) -> InMemoryMetricReader | None:
         """Embedded mode: read metrics in-process."""
-        return None if self._built is None else self._built.memory_reader
+        return None if self._metrics is None else self._metrics.memory_reader
 
     @property
     def recent_spans(self) -> RecentSpans | None:
         """Embedded mode: the latest spans."""
-        return None if self._built is None else self._built.recent_spans
+        return None if self._traces is None else self._traces.recent_spans
 
     @property
     def prometheus_address(self) -> tuple[str, int] | None:
-        return None if self._built is None else self._built.prometheus_address
-
-    @property
-    def tracer_provider(self) -> trace.TracerProvider:
-        return self._providers().tracer_provider
+        return None if self._metrics is None else self._metrics.prometheus_address
 
     @property
     def meter_provider(self) -> metrics.MeterProvider:
-        return self._providers().meter_provider
+        return self._meter_side().meter_provider
 
-    def _providers(self) -> _Built:
-        built = self._built
-        if built is None:
-            with self._app_lock:
-                if self._built is None:
-                    assert self._app is not None
-                    self._built = self._app()
-                built = self._built
-        return built
+    @property
+    def tracer_provider(self) -> trace.TracerProvider:
+        with self._app_lock:
+            if self._traces is None:
+                assert self._app is not None, "shut down"
+                self._traces = _traces_side(*self._app, self._meter_side().meter_provider)
+            return self._traces.tracer_provider
+
+    def _meter_side(self) -> _Metrics:
+        with self._app_lock:
+            if self._metrics is None:
+                assert self._app is not None, "shut down"
+                self._metrics = _metrics_side(*self._app)
+            return self._metrics
 
     def force_flush(self, timeout_s: float = 5.0) -> None:
         """Create queued spans, export them, and push metrics now.
@@ -195,15 +201,13 @@ class TelemetrySetup:
         """
         deadline = time.monotonic() + timeout_s
         self.telemetry.flush(timeout_s)
-        built = self._built
-        if built is None:
-            return
         remaining = max(0.0, deadline - time.monotonic())
         millis = int(remaining * 1000)
-        flushers: list[Any] = [
-            getattr(built.tracer_provider, "force_flush", None),  # a no-op provider has none
-            *(r.force_flush for r in built.push_readers),
-        ]
+        flushers: list[Any] = []
+        if self._traces is not None:
+            flushers.append(getattr(self._traces.tracer_provider, "force_flush", None))  # a no-op provider has none
+        if self._metrics is not None:
+            flushers += [r.force_flush for r in self._metrics.push_readers]
         _bounded([functools.partial(flush, millis) for flush in flushers if flush is not None], remaining)
 
     def shutdown(self, timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
@@ -217,16 +221,16 @@ class TelemetrySetup:
         deadline = time.monotonic() + timeout_s
         self.telemetry.shutdown(timeout_s * 0.6)
         with self._app_lock:
-            built, self._app = self._built, None  # not built by now: never
-        if built is None:
-            return
+            self._app = None  # what was not built by now never is
+            providers = [side[0] for side in (self._traces, self._metrics) if side is not None]
+            closers = [] if self._metrics is None else list(self._metrics.closers)
         remaining = max(0.0, deadline - time.monotonic())
         jobs = [
             lambda p=provider: _shutdown_provider(p, remaining)
-            for provider in (built.tracer_provider, built.meter_provider)
+            for provider in providers
             if hasattr(provider, "shutdown")
         ]
-        _bounded(jobs + list(built.closers), remaining)
+        _bounded(jobs + closers, remaining)
 
 
 def _shutdown_provider(provider: Any, timeout_s: float) -> None:
@@ -463,44 +467,58 @@ def _build(
     *,
     collect: SpanProcessor | None = None,
     id_generator: IdGenerator | None = None,
-) -> _Built:
-    """Providers for ``settings``. The Prometheus port is bound first (the one step that can fail on a value); if
-    anything after it fails, the server is stopped before the error propagates. With ``collect``, OTLP spans go to that
-    processor and the exporter is handed back (the export process sends them itself)."""
-    closers: list[Any] = []
-    prometheus = None
-    if prometheus_port is not None:
-        prometheus = _prometheus_reader(settings.prometheus_host, prometheus_port)
-        closers.append(prometheus[2])
+) -> tuple[_Metrics, _Traces]:
+    """Both providers for ``settings``; with ``collect``, OTLP spans go to that processor and the exporter is handed
+    back (the export process sends them itself)."""
+    side = _metrics_side(settings, resource, prometheus_port)
     try:
-        return _providers(settings, resource, prometheus, closers, collect, id_generator)
+        return side, _traces_side(settings, resource, side.meter_provider, collect=collect, id_generator=id_generator)
     except BaseException:
-        _bounded(closers, 5.0)
+        _bounded(side.closers, 5.0)
         raise
 
 
-def _providers(
+def _metrics_side(settings: Settings, resource: Resource, prometheus_port: int | None = None) -> _Metrics:
+    """The meter provider and its readers. The Prometheus port is bound first (the one step that can fail on a
+    value); if anything after it fails, the server is stopped before the error propagates."""
+    closers: list[Any] = []
+    readers: list[MetricReader] = []
+    address = None
+    if prometheus_port is not None:
+        address, reader, stop = _prometheus_reader(settings.prometheus_host, prometheus_port)
+        readers.append(reader)
+        closers.append(stop)
+    try:
+        memory_reader: InMemoryMetricReader | None = None
+        interval, timeout = settings.metric_export_interval_ms, settings.metric_export_timeout_ms
+        for kind in settings.metrics_exporters:
+            if kind == "otlp":
+                readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(settings), interval, timeout))
+            elif kind == "console":
+                readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stdout), interval, timeout))
+            elif kind == "embedded":
+                memory_reader = InMemoryMetricReader()
+                readers.append(memory_reader)
+        meter_provider = MeterProvider(metric_readers=readers, resource=resource,
+                                       views=views(settings.cardinality_limit),
+                                       exemplar_filter=_EXEMPLAR_FILTERS[settings.exemplar_filter](),
+                                       shutdown_on_exit=False)  # fmt: skip
+    except BaseException:
+        _bounded(closers, 5.0)
+        raise
+    push = [r for r in readers if isinstance(r, PeriodicExportingMetricReader)]
+    return _Metrics(meter_provider, memory_reader, address, closers, list(push))
+
+
+def _traces_side(
     settings: Settings,
     resource: Resource,
-    prometheus: tuple[Any, MetricReader, Any] | None,
-    closers: list[Any],
-    collect: SpanProcessor | None,
-    id_generator: IdGenerator | None,
-) -> _Built:
-    readers: list[MetricReader] = [] if prometheus is None else [prometheus[1]]
-    memory_reader: InMemoryMetricReader | None = None
-    interval, timeout = settings.metric_export_interval_ms, settings.metric_export_timeout_ms
-    for kind in settings.metrics_exporters:
-        if kind == "otlp":
-            readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(settings), interval, timeout))
-        elif kind == "console":
-            readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stdout), interval, timeout))
-        elif kind == "embedded":
-            memory_reader = InMemoryMetricReader()
-            readers.append(memory_reader)
-    meter_provider = MeterProvider(metric_readers=readers, resource=resource, views=views(settings.cardinality_limit),
-                                   exemplar_filter=_EXEMPLAR_FILTERS[settings.exemplar_filter](),
-                                   shutdown_on_exit=False)  # fmt: skip
+    meter_provider: metrics.MeterProvider,
+    *,
+    collect: SpanProcessor | None = None,
+    id_generator: IdGenerator | None = None,
+) -> _Traces:
+    """The tracer provider and its processors (their own metrics go to ``meter_provider``)."""
     tracer_provider = TracerProvider(sampler=_sampler(settings), resource=resource, shutdown_on_exit=False,
                                      id_generator=id_generator, span_limits=_span_limits(settings))  # fmt: skip
     batching = {
@@ -528,20 +546,18 @@ def _providers(
         elif kind == "embedded":
             recent = RecentSpans()
             tracer_provider.add_span_processor(SimpleSpanProcessor(recent))
-    push: list[MetricReader] = [r for r in readers if isinstance(r, PeriodicExportingMetricReader)]
-    address = None if prometheus is None else prometheus[0]
-    return _Built(tracer_provider, meter_provider, memory_reader, recent, address, closers, push, handed_back)
+    return _Traces(tracer_provider, recent, handed_back)
 
 
 def export_providers(
     config: Mapping[str, Any], collect: SpanProcessor, id_generator: IdGenerator
-) -> tuple[_Built, Settings]:
+) -> tuple[TracerProvider, MeterProvider, SpanExporter | None, Settings]:
     """The export process's providers: the host's settings (its ``OTEL_*`` variables are this process's environment,
-    its arguments in ``config``) and Resource; spans go to ``collect``, the span exporter is handed back."""
+    its arguments in ``config``) and Resource; spans go to ``collect``, the OTLP span exporter is handed back."""
     settings = validate(os.environ, endpoint=config["endpoint"], protocol=config["protocol"],
                         cardinality_limit=config["cardinality_limit"])  # fmt: skip
-    built = _build(settings, Resource(config["resource"]), collect=collect, id_generator=id_generator)
-    return built, settings
+    side, traces = _build(settings, Resource(config["resource"]), collect=collect, id_generator=id_generator)
+    return traces.tracer_provider, side.meter_provider, traces.span_exporter, settings
 
 
 # ---------------------------------------------------------------------- configure()
@@ -579,15 +595,16 @@ def configure(
         extra_pools=extra_pools, cardinality_limit=cardinality_limit, set_global=set_global,
     )  # fmt: skip
     if settings.disabled:
-        noop = _Built(trace.NoOpTracerProvider(), metrics.NoOpMeterProvider(), None, None, None, [], [], None)  # type: ignore[arg-type]
-        return _without_export(pools, extra_pools, token_metrics, "disabled", built=noop)
+        noop: Any = (metrics.NoOpMeterProvider(), trace.NoOpTracerProvider())
+        sides = (_Metrics(noop[0], None, None, [], []), _Traces(noop[1], None, None))
+        return _without_export(pools, extra_pools, token_metrics, "disabled", sides=sides)
 
     resource = build_resource(service_name, ranks, resource_attributes, env)
     pinned = SERVICE_INSTANCE_ID in {**key_values(env, "OTEL_RESOURCE_ATTRIBUTES"), **(resource_attributes or {})}
     identity = _claim_identity(resource, pinned)
     kinds = {*settings.traces_exporters, *settings.metrics_exporters} - {"prometheus"}
     in_process = settings.prometheus_port is not None or bool(kinds & {"console", "embedded"})
-    app = functools.partial(_build, settings, resource)
+    app = (settings, resource)
     if not in_process and kinds == {"none"}:
         setup = _without_export(pools, extra_pools, token_metrics, "none", app=app)
     elif not in_process:
@@ -604,11 +621,11 @@ def configure(
         telemetry = HiCacheTelemetry(pools=pools, extra_pools=extra_pools, consumer=consumer)
         setup = TelemetrySetup(telemetry, "otlp", app=app)
     else:
-        built = _build(settings, resource, settings.prometheus_port)
-        telemetry = HiCacheTelemetry(built.tracer_provider, built.meter_provider, pools=pools, extra_pools=extra_pools,
-                                     token_metrics=token_metrics)  # fmt: skip
+        sides = _build(settings, resource, settings.prometheus_port)
+        telemetry = HiCacheTelemetry(sides[1].tracer_provider, sides[0].meter_provider, pools=pools,
+                                     extra_pools=extra_pools, token_metrics=token_metrics)  # fmt: skip
         mode = next((k for k in ("otlp", "embedded", "console") if k in kinds), "prometheus")
-        setup = TelemetrySetup(telemetry, mode, built)
+        setup = TelemetrySetup(telemetry, mode, sides)
     if identity is not None:
         setup._identity = identity
         _IDENTITIES[identity] = setup
@@ -624,13 +641,13 @@ def _without_export(
     extra_pools: Sequence[str],
     token_metrics: bool,
     mode: str,
-    built: _Built | None = None,
-    app: Callable[[], _Built] | None = None,
+    sides: tuple[_Metrics, _Traces] | None = None,
+    app: tuple[Settings, Resource] | None = None,
 ) -> TelemetrySetup:
     """A telemetry that counts (``snapshot()`` is exact) and builds and exports nothing."""
     telemetry = HiCacheTelemetry(trace.NoOpTracerProvider(), metrics.NoOpMeterProvider(), pools=pools,
                                  extra_pools=extra_pools, spans=False, token_metrics=token_metrics)  # fmt: skip
-    return TelemetrySetup(telemetry, mode, built, app)
+    return TelemetrySetup(telemetry, mode, sides, app)
 
 
 def _exporter_environment(env: Mapping[str, str]) -> dict[str, str]:

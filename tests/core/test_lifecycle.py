@@ -390,6 +390,8 @@ IN_THE_HOST = textwrap.dedent(
     report["filters"] = {name: list(logging.getLogger(name).filters) for name in EXPORTER_LOGGERS} == filters
     report["grpc"] = "grpc" in sys.modules
     report["threads"] = sorted(thread.name for thread in threading.enumerate())
+    setup.meter_provider  # what SGLang's stat loggers ask for: the app's meter provider alone
+    report["with_meter"] = sorted(thread.name for thread in threading.enumerate())
     print(json.dumps(report))
     """
 )
@@ -397,14 +399,16 @@ IN_THE_HOST = textwrap.dedent(
 
 def test_over_otlp_the_host_runs_no_export_work_and_its_environment_and_loggers_stay_as_they_were() -> None:
     """Was: a span batch processor and a periodic metric reader with gRPC channels in the host, OTEL_* variables set
-    in os.environ, once-per-logger filters on the SDK's loggers (the app's own exporters silenced too)."""
+    in os.environ, once-per-logger filters on the SDK's loggers (the app's own exporters silenced too). The app's
+    meter provider, when asked for, comes without a tracer provider's batch processor."""
     with OtlpReceiver() as rx:
         env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=rx.grpc_endpoint)
         run = subprocess.run([sys.executable, "-c", IN_THE_HOST], env=env, capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr
         report = json.loads(run.stdout)
-        assert report == {"flushed": True, "environ": True, "filters": True, "grpc": False,
-                          "threads": sorted(["MainThread", HOST_THREAD_NAME])}  # fmt: skip
+        ours = ["MainThread", HOST_THREAD_NAME]
+        assert report == {"flushed": True, "environ": True, "filters": True, "grpc": False, "threads": sorted(ours),
+                          "with_meter": sorted([*ours, "OtelPeriodicExportingMetricReader"])}  # fmt: skip
         assert rx.wait_for(lambda: list(tokens_by_pid(rx).values()) == [300], 30)
 
 
