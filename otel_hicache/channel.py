@@ -99,6 +99,8 @@ class Channel:
         self.fd = fd
         # The descriptor is closed exactly once: by release_fd()/close(), or when the channel is dropped.
         self._close_fd = None if fd is None else weakref.finalize(self, os.close, fd)
+        if self._close_fd is not None:
+            self._close_fd.atexit = False  # at exit the shutdown still launches from it; the OS closes it after
         # Pages mapped in up front: no page fault on the hot path the first time a ring slot is written.
         populate = getattr(mmap, "MAP_POPULATE", 0)
         if fd is None:  # private: a forked child gets its own copy, never the parent's counts

@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -102,29 +103,43 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 class _Launch:
-    """One launch: the launcher, the host's ends of its pipes, the exporter's pid once announced."""
+    """One launch: the launcher, the host's ends of its pipes, the exporter's pid once announced. A launch dropped
+    without :meth:`forget` (a telemetry dropped without shutdown) closes its ends, so its exporter ends too; at
+    interpreter exit the shutdown closes them, or the OS."""
 
-    __slots__ = ("hangup", "launcher", "live", "partial", "pid", "started")
+    __slots__ = ("__weakref__", "_fds", "launcher", "partial", "pid", "started")
 
     def __init__(self, launcher: subprocess.Popen[bytes], hangup: int, live: int) -> None:
         self.launcher = launcher
-        self.hangup = hangup  # write end of the hang-up pipe (-1 once closed)
-        self.live = live  # read end of the liveness pipe (-1 once closed)
+        self._fds = [hangup, live]  # -1 once closed
+        weakref.finalize(self, _close_all, self._fds).atexit = False
         self.pid = 0
         self.partial = b""
         self.started = time.monotonic()
 
+    @property
+    def hangup(self) -> int:
+        """The write end of the hang-up pipe (-1 once closed)."""
+        return self._fds[0]
+
+    @property
+    def live(self) -> int:
+        """The read end of the liveness pipe (-1 once closed)."""
+        return self._fds[1]
+
     def hang_up(self) -> None:
-        if self.hangup >= 0:
-            _close(self.hangup)
-            self.hangup = -1
+        _close_all(self._fds, 1)
 
     def forget(self) -> None:
         """Close this process's ends (a forked child's copies, or a launch proven gone)."""
-        self.hang_up()
-        if self.live >= 0:
-            _close(self.live)
-            self.live = -1
+        _close_all(self._fds)
+
+
+def _close_all(fds: list[int], count: int = 2) -> None:
+    for i in range(count):
+        if fds[i] >= 0:
+            _close(fds[i])
+            fds[i] = -1
 
 
 #: Launches handed over by a shutdown whose exporter was still finishing: read and reaped by later tending.

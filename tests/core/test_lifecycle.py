@@ -12,6 +12,7 @@ note of issue 19 ran 20).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -279,7 +281,7 @@ HOLDS_NOTHING = textwrap.dedent(
     from otel_hicache.records import TransferRecord
     setup = configure(endpoint=sys.argv[1], protocol="grpc")
     setup.telemetry.record_transfer(TransferRecord("backup", {"kv": 3}, 192, 10, 20, 0.001, "host_clock"))
-    setup.telemetry.flush(8)  # the export to a collector that never answers times out, and is logged
+    setup.telemetry.flush(4)  # meanwhile the span export to a collector that never answers times out, and is logged
     print(setup.telemetry.export_pid, flush=True)
     sys.stdin.read()  # until the test lets it exit
     """
@@ -338,7 +340,7 @@ CYCLES = textwrap.dedent(
         setup = configure(endpoint=sys.argv[1], protocol="grpc")
         setup.telemetry.record_transfer(TransferRecord("backup", {"kv": 3}, 192, 10, 20, 0.001, "host_clock"))
         setup.shutdown()
-    time.sleep(1)  # an exporter that ends late is a zombie by now
+    time.sleep(0.5)  # an exporter that ends late is a zombie by now
     zombies = 0
     for entry in os.listdir("/proc"):
         try:
@@ -430,3 +432,21 @@ def test_a_resource_of_200_kib_reaches_the_exporter_through_a_channel_no_other_u
                                 peek], capture_output=True, text=True, timeout=60)  # fmt: skip
         assert other.stdout.strip() == "denied", other.stderr  # the memfds are behind the exporter's fd table
         setup.shutdown()
+
+
+def test_a_telemetry_dropped_without_shutdown_is_freed_and_its_export_process_ends() -> None:
+    with OtlpReceiver() as rx:
+        setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
+        setup.telemetry.record_transfer(record())
+        assert setup.telemetry.flush(30)
+        exporter = setup.telemetry.export_pid
+        assert exporter is not None
+        dropped = weakref.ref(setup.telemetry)
+        del setup
+        gc.collect()
+        assert dropped() is None
+        deadline = time.monotonic() + 30
+        while _running(exporter) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(exporter)
+        assert rx.wait_for(lambda: tokens_by_pid(rx) == {os.getpid(): 3}, 30)
