@@ -142,8 +142,10 @@ def _close_all(fds: list[int], count: int = 2) -> None:
             fds[i] = -1
 
 
-#: Launches handed over by a shutdown whose exporter was still finishing: read and reaped by later tending.
+#: Launches handed over by a shutdown whose exporter was still finishing: read and reaped by later tending (of any
+#: telemetry; one thread at a time).
 _LEFT: list[_Launch] = []
+_LEFT_LOCK = threading.Lock()
 
 
 class ExportProcess:
@@ -178,7 +180,7 @@ class ExportProcess:
         self._channel = channel
         _tend_left()
         launch = self._launch
-        if launch is not None and not self._relay(launch):
+        if launch is not None and not _relay(launch):
             self._ended(launch)
         if self._launch is None and not self._closed and channel.fd is not None:
             if now or time.monotonic() >= self._next_launch:
@@ -205,23 +207,31 @@ class ExportProcess:
         (relaying its last lines, reaping it). A launch proven gone is replaced first, so the last window goes out.
         The memory stays mapped here (later records still count) but its descriptor is released."""
         deadline = time.monotonic() + timeout_s
+        done = False
         with self._lock:
-            self._tend(channel, now=True)
-            self._closed = True
-            launch = self._launch
-            if launch is not None:
-                launch.hang_up()
-                while self._relay(launch):
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        _LEFT.append(launch)  # still exporting: read and reaped later
-                        break
-                    select.select([launch.live], [], [], remaining)
-                else:
-                    self._ended(launch, wait_s=max(0.0, min(0.2, deadline - time.monotonic())))
-                self._launch = None
+            try:
+                self._tend(channel, now=True)
+                self._closed = True
+                done = self._hang_up_and_wait(deadline)
+            except Exception:  # the last line of defence: never into the host
+                _log.debug("otel_hicache: closing the export process failed", exc_info=True)
         channel.release_fd()
-        return launch is None or launch not in _LEFT
+        return done
+
+    def _hang_up_and_wait(self, deadline: float) -> bool:
+        launch, self._launch = self._launch, None
+        if launch is None:
+            return True
+        launch.hang_up()
+        while _relay(launch):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                with _LEFT_LOCK:
+                    _LEFT.append(launch)  # still exporting: read and reaped later
+                return False
+            select.select([launch.live], [], [], remaining)
+        self._ended(launch, wait_s=max(0.0, min(0.2, deadline - time.monotonic())))
+        return True
 
     def before_fork(self) -> bool:
         return False  # nothing of the export runs in this process
@@ -255,6 +265,8 @@ class ExportProcess:
         launch.forget()
         _reap(launch, wait_s)
         self._launch = None
+        if self._channel is not None:
+            self._channel.ints[EXPORTER_PID] = 0  # its exporter's, if it attached: none reads the ring now
         if self._closed:
             return
         if time.monotonic() - launch.started < LIVED_S:
@@ -264,18 +276,15 @@ class ExportProcess:
         self._warn_once("gone", "otel_hicache: the export process %s is gone; a new one sends what it had not sent "
                         "(logged once)", launch.pid or "")  # fmt: skip
 
-    def _relay(self, launch: _Launch) -> bool:
-        """Log what the launch wrote; False at end of file (every process of the launch has exited)."""
-        return _relay(launch)
-
     def _poke(self) -> None:
-        launch = self._launch
-        if launch is None or launch.hangup < 0:
-            return
-        try:
-            os.write(launch.hangup, b"f")
-        except OSError:  # pipe full (the exporter is behind and will see the request) or the exporter is gone
-            pass
+        with self._lock:  # the descriptor is not closed (and its number reused) meanwhile
+            launch = self._launch
+            if launch is None or launch.hangup < 0:
+                return
+            try:
+                os.write(launch.hangup, b"f")
+            except OSError:  # pipe full (the exporter is behind and will see the request) or the exporter is gone
+                pass
 
     def _wait(self, done: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -385,11 +394,16 @@ def _relay_line(launch: _Launch, line: bytes) -> None:
 
 
 def _tend_left() -> None:
-    for launch in list(_LEFT):
-        if not _relay(launch):
-            launch.forget()
-            _reap(launch, 0.0)
-            _LEFT.remove(launch)
+    if not _LEFT or not _LEFT_LOCK.acquire(blocking=False):
+        return
+    try:
+        for launch in list(_LEFT):
+            if not _relay(launch):
+                launch.forget()
+                _reap(launch, 0.0)
+                _LEFT.remove(launch)
+    finally:
+        _LEFT_LOCK.release()
 
 
 def _reap(launch: _Launch, wait_s: float) -> None:
@@ -430,7 +444,9 @@ def _close(fd: int) -> None:
 
 
 def _forget_left_in_child() -> None:
-    """A forked child does not tend its parent's finishing exporters."""
+    """A forked child does not tend its parent's finishing exporters (and starts with the list's lock free)."""
+    global _LEFT_LOCK
+    _LEFT_LOCK = threading.Lock()
     for launch in _LEFT:
         launch.forget()
     _LEFT.clear()
