@@ -15,6 +15,9 @@ import pytest
 
 from otel_hicache.testing.sdk import Sdk
 from otel_hicache.testing.sglang import FileStorage, file_storage, install_cpu_shims
+from tests.integrations.support import fresh_warnings
+
+__all__ = ["fresh_warnings"]
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ process::
 or the same instrumentor through the ``opentelemetry_instrumentor`` group (``opentelemetry-instrument python -m
 sglang.launch_server ...``). Either way each process builds its telemetry on its first HiCache event, from the
 ``OTEL_*`` environment, with the ranks SGLang published for it on the Resource and the instruments counted in tokens
-reported by one rank per TP group only (:mod:`.plugin`); a process without HiCache builds and exports nothing.
+reported by one rank per attention-TP x attention-CP x PP group only (:mod:`.instrumentor`); a process without
+HiCache builds and exports nothing.
 ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=sglang_hicache`` turns both routes off. In code, with your providers::
 
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
@@ -71,8 +72,11 @@ own prometheus metrics, for both ways ``writing_check`` is called (see the READM
 Patching and failure rules (shared by every engine adapter, :mod:`otel_hicache.integrations._base`): ``instrument()``
 imports nothing of SGLang (nor torch); each SGLang module is patched when it is imported (at once if it already is). A
 missing or unsupported SGLang gives one warning and no patching (the version check runs even under
-``skip_dep_check``, which ``opentelemetry-instrument`` passes: the wrappers rely on 0.5.23's shapes); a missing method
-skips only its signal (one warning); a wrapper whose own code fails logs once and SGLang runs unchanged; inside
+``skip_dep_check``, which ``opentelemetry-instrument`` passes: the wrappers rely on the supported releases' shapes); a
+module this SGLang lacks, and a method that is missing, is not a function or has other parameters than its wrapper
+reads, skips only its signal (one warning naming it); a wrapper whose own code fails logs once, and SGLang's call
+runs exactly once with its own result or exception; every warning comes once per process family (SGLang's launcher
+and its scheduler processes), not once per process; inside
 ``opentelemetry.instrumentation.utils.suppress_instrumentation()`` every wrapper passes straight through, and an ack
 submitted there is not reported when it is consumed.
 ``uninstrument()`` restores every patched attribute to the original object and disarms patches for modules not imported

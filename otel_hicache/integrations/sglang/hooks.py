@@ -15,13 +15,17 @@ the checks themselves run unwrapped: a check that consumes nothing costs nothing
 scheduler thread one entry put on a :class:`~otel_hicache.deferred.DeferredQueue` (two C calls); the record is built
 and counted on the telemetry's host thread.
 
-Failure rule: if a wrapper's own code fails it logs once per hook and the host's call goes on untouched; an
-exception raised by SGLang's method propagates exactly as without instrumentation.
+An ack leaves a queue only through ``pop`` in SGLang 0.5.23 (and ``clear``); every other way a list can lose items
+(``del q[:n]``, ``q[:] = ...``, ``remove``, ``q *= 0``) reports the acks it removed the same way, as consumed: SGLang
+removes only acks it consumed, except in ``HiCacheController.reset`` (wrapped: those are forgotten). A queue that is not
+a ``list`` (say, a ``collections.deque``) is left as it is, with one warning: its acks are not reported, and the
+self-check counts the missing transfers. A queue object SGLang replaces takes its unconsumed acks with it, unseen.
+
+Failure rule (:mod:`.._base`): our code never raises into SGLang nor changes its exception; a failure is logged once.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import weakref
@@ -33,7 +37,8 @@ from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from opentelemetry.trace import Span, SpanContext
 
 from otel_hicache.deferred import DeferredQueue
-from otel_hicache.integrations._base import checks_suppression
+from otel_hicache.integrations._base import ProcessSink, Ranks, WeakPoolSource, checks_suppression, hook_failed, trim
+from otel_hicache.integrations._base import warn_once as _warn_once
 from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferRecord
 from otel_hicache.semconv import (
     ATTR_PREFIX_TOKENS,
@@ -47,15 +52,9 @@ from otel_hicache.semconv import (
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import ANCHOR, elapsed_seconds, now_ns
 
-_log = logging.getLogger(__name__)
-
-#: Submitted acks remembered per queue (submission time, merged ops) until consumed; beyond this the oldest are
-#: forgotten (a queue emptied by code that is not SGLang's must not grow memory without bound).
-MAX_PENDING = 4096
-
+_ENGINE = "SGLang HiCache"
 _WRITE = "write"
 _LOAD = "load"
-_SUBMIT_HOOK = {_WRITE: "start_writing", _LOAD: "start_loading"}
 _QUEUE = {_WRITE: "ack_write_queue", _LOAD: "ack_load_queue"}
 _ONGOING = {_WRITE: "ongoing_write_through", _LOAD: "ongoing_load_back"}
 _Submitted = tuple["int | None", int]  # (submit time in monotonic ns, or None when unknown; merged ops)
@@ -66,8 +65,8 @@ _Links = dict[int, tuple[tuple[int, SpanContext], ...]]
 
 class AckQueue(list[Any]):  # SGLang's List[HiCacheAck]
     """A controller's ack queue as SGLang uses it (a ``list``; appending and reading are untouched) that hands each
-    ack leaving through ``pop`` or ``clear`` to the telemetry's host thread: one entry put on a
-    :class:`~otel_hicache.deferred.DeferredQueue`, two C calls. Detached (uninstrumented): a plain list."""
+    ack leaving it to the telemetry's host thread: one entry put on a :class:`~otel_hicache.deferred.DeferredQueue`,
+    two C calls. Detached (uninstrumented): a plain list."""
 
     __slots__ = ("__weakref__", "_closer", "_deferred", "reporter")
 
@@ -92,22 +91,71 @@ class AckQueue(list[Any]):  # SGLang's List[HiCacheAck]
         ack = list.pop(self, index)
         deferred = self._deferred
         if deferred is not None:
-            deferred.put((next(deferred.seq), ack, monotonic_ns()))
+            try:
+                deferred.put((next(deferred.seq), ack, monotonic_ns()))
+            except Exception:
+                hook_failed(_ENGINE, "ack queue")
         return ack
 
     def clear(self) -> None:
+        acks = list(self) if self._deferred is not None else ()
+        list.clear(self)
+        self._left(acks)
+
+    def remove(self, value: Any) -> None:
+        try:
+            index = list.index(self, value)
+        except Exception:
+            return list.remove(self, value)  # raises what a list raises
+        ack = list.__getitem__(self, index)
+        list.__delitem__(self, index)
+        self._left((ack,))
+        return None
+
+    def __delitem__(self, index: SupportsIndex | slice) -> None:
+        try:
+            removed = list.__getitem__(self, index)
+        except Exception:
+            return list.__delitem__(self, index)  # raises what a list raises
+        list.__delitem__(self, index)
+        self._left(removed if isinstance(index, slice) else (removed,))
+        return None
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        try:
+            before = list.__getitem__(self, index)
+        except Exception:
+            return list.__setitem__(self, index, value)  # raises what a list raises
+        list.__setitem__(self, index, value)
+        if isinstance(index, slice):
+            kept = {id(ack) for ack in self}
+            self._left([ack for ack in before if id(ack) not in kept])
+        elif before is not list.__getitem__(self, index):
+            self._left((before,))
+        return None
+
+    def __imul__(self, times: SupportsIndex) -> AckQueue:
+        before = list(self)
+        list.__imul__(self, times)
+        if not self:
+            self._left(before)
+        return self
+
+    def _left(self, acks: Iterable[Any]) -> None:
+        """``acks`` left the queue other than by ``pop``: consumed, or forgotten by ``HiCacheController.reset``."""
         deferred, reporter = self._deferred, self.reporter
         if deferred is None or reporter is None:
-            list.clear(self)
-        elif reporter.forgetting:  # HiCacheController.reset: these acks were never consumed
-            for ack in self:
-                reporter.submitted.pop(id(ack), None)
-            list.clear(self)
-        else:  # write-back's writing_check, after synchronising every ack
-            acks, done_ns = list(self), monotonic_ns()
-            list.clear(self)
+            return
+        try:
+            if reporter.forgetting:  # HiCacheController.reset: these acks were never consumed
+                for ack in acks:
+                    reporter.submitted.pop(id(ack), None)
+                return
+            done_ns = monotonic_ns()  # write-back's writing_check clears after synchronising every ack
             for ack in acks:
                 deferred.put((next(deferred.seq), ack, done_ns))
+        except Exception:
+            hook_failed(_ENGINE, "ack queue")
 
 
 class AckReporter:
@@ -133,8 +181,7 @@ class AckReporter:
         """On the scheduler thread, after the ack was appended (the host thread reads it once it is consumed)."""
         table = self.submitted
         table[id(ack)] = submitted
-        if len(table) > MAX_PENDING:
-            _drop_oldest(table)
+        trim(table)
 
     def record(self, entry: tuple[int, Any, int]) -> None:
         """Report one consumed ack, ``(seq, ack, when it left)`` (host thread), unless it was submitted under
@@ -160,53 +207,35 @@ class AckReporter:
 
 
 class HiCacheHooks:
-    """The wrapper callables (wrapt signature ``(wrapped, instance, args, kwargs)``) bound to one telemetry sink.
+    """The wrapper callables (wrapt signature ``(wrapped, instance, args, kwargs)``) reporting through one
+    :class:`~.._base.ProcessSink`.
 
-    ``telemetry`` None: the sink is built by ``create()`` on the process's first HiCache event (``init_hicache``, a
-    consumed ack, a drop, an L3 transfer); evictions and prefill admissions are reported once it exists, so a process
-    that never runs HiCache builds nothing. A ``create()`` that fails is logged once and not retried.
+    The sink is built (with ``ranks()``) on the process's first HiCache event (``init_hicache``, a consumed ack, a
+    drop, an L3 transfer); evictions and prefill admissions are reported once it exists, so a process that never runs
+    HiCache builds nothing. Every wrapper is installed under the failure rule of :mod:`.._base`: if its own code
+    fails, SGLang's call goes on untouched and the failure is logged once.
     """
 
-    def __init__(
-        self, telemetry: HiCacheTelemetry | None, create: Callable[[], HiCacheTelemetry] | None = None
-    ) -> None:
-        self.telemetry = telemetry
-        self._create = create
+    def __init__(self, sink: ProcessSink, ranks: Callable[[], Ranks] | None = None) -> None:
+        self.sink = sink
+        self._ranks = ranks
         # Per-controller request links live on the controller itself (one attribute read); the weak dictionary is
         # only the fallback for a controller that takes no new attributes.
         self._attr = f"_otel_hicache_links_{id(self):x}"
         self._links_of: weakref.WeakKeyDictionary[Any, dict[str, _Links]] = weakref.WeakKeyDictionary()
         # Every queue reporting to these hooks, by id (a list is unhashable).
         self._queues: weakref.WeakValueDictionary[int, AckQueue] = weakref.WeakValueDictionary()
-        self._failed: set[str] = set()
         self._lock = threading.Lock()
         self._admitted_input: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # per PrefillAdder
 
-    # ------------------------------------------------------------------ failure rule
-    def _fail(self, hook: str) -> None:
-        if hook in self._failed:
-            return
-        self._failed.add(hook)
-        _log.warning(
-            "otel_hicache: the %s hook failed; SGLang runs unchanged, this hook's telemetry may be incomplete. "
-            "Further failures of this hook are not logged.",
-            hook,
-            exc_info=True,
-        )
+    @property
+    def telemetry(self) -> HiCacheTelemetry | None:
+        """The process's telemetry, once built."""
+        return self.sink.telemetry
 
     def _sink(self) -> HiCacheTelemetry | None:
         """The telemetry, built now if this is the process's first HiCache event."""
-        telemetry = self.telemetry
-        if telemetry is not None or self._create is None:
-            return telemetry
-        with self._lock:
-            if self.telemetry is None and self._create is not None:
-                create, self._create = self._create, None
-                try:
-                    self.telemetry = create()
-                except Exception as exc:
-                    _log.warning("otel_hicache: SGLang HiCache is not reported in this process: %s", exc)
-        return self.telemetry
+        return self.sink.get(self._ranks)
 
     def _links(self, controller: Any) -> dict[str, _Links]:
         """``controller``'s request links, per direction (a load-back's request is never linked to a backup)."""
@@ -240,38 +269,41 @@ class HiCacheHooks:
 
     def _submit(self, wrapped: Callable[..., Any], cc: Any, args: tuple, kwargs: dict, direction: str) -> Any:
         """Note the submission time and merged-op count of the ack ``wrapped`` appends (adopting the queue first)."""
-        try:
-            merged = len(cc.write_queue if direction is _WRITE else cc.load_queue)
-            queue = self._queue(cc, direction) if merged else None  # no pending op: no ack, nothing to note
-            if queue is not None:
-                n_acks, submit_ns = len(queue), monotonic_ns()
-        except Exception:
-            self._fail(_SUBMIT_HOOK[direction])
-            return wrapped(*args, **kwargs)
+        merged = len(cc.write_queue if direction is _WRITE else cc.load_queue)
+        queue = self._queue(cc, direction) if merged else None  # no pending op: no ack, nothing to note
         if queue is None:
             return wrapped(*args, **kwargs)
+        n_acks, submit_ns = len(queue), monotonic_ns()
         result = wrapped(*args, **kwargs)
-        try:
-            reporter = queue.reporter
-            if len(queue) > n_acks and reporter is not None:  # one merged op became one ack, appended last
-                reporter.submit(queue[-1], (submit_ns, merged) if is_instrumentation_enabled() else None)
-        except Exception:
-            self._fail(_SUBMIT_HOOK[direction])
+        reporter = queue.reporter
+        if len(queue) > n_acks and reporter is not None:  # one merged op became one ack, appended last
+            reporter.submit(queue[-1], (submit_ns, merged) if is_instrumentation_enabled() else None)
         return result
 
     def _queue(self, cc: Any, direction: str) -> AckQueue | None:
         """``cc``'s ack queue for ``direction``, reporting to these hooks (adopted now if need be); None while there
-        is no telemetry. Runs on the scheduler thread, the only one that touches the queue."""
+        is no telemetry, or where the queue is not a list. Runs on the scheduler thread, the only one that touches
+        the queue."""
         name = _QUEUE[direction]
         queue = getattr(cc, name)
-        if type(queue) is AckQueue and self._queues.get(id(queue)) is queue:
+        kind = type(queue)
+        if kind is AckQueue and self._queues.get(id(queue)) is queue:
             return queue
+        if kind is not list and kind is not AckQueue:
+            _warn_once(
+                f"queue:{name}:{kind.__module__}.{kind.__qualname__}",
+                "otel_hicache: this SGLang's HiCacheController.%s is a %s, not a list: left as it is, so its "
+                "transfers are not reported.",
+                name,
+                kind.__qualname__,
+            )
+            return None
         telemetry = self._sink()
         if telemetry is None:
             return None
         reporter = AckReporter(telemetry, cc, direction, self._links(cc)[direction])
         deferred = telemetry.deferred_queue(reporter.record)
-        if type(queue) is not AckQueue:  # else adopted by an earlier instrument(): it reports again, here
+        if kind is not AckQueue:  # else adopted by an earlier instrument(): it reports again, here
             queue = AckQueue(queue)
             setattr(cc, name, queue)
         queue.attach(reporter, deferred)
@@ -282,17 +314,13 @@ class HiCacheHooks:
     def reset(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``HiCacheController.reset`` clears the ack queues: their acks are forgotten, they were never consumed
         (also inside suppress_instrumentation(), where a clear would otherwise count as consumption)."""
-        try:
-            reporters = [
-                queue.reporter
-                for queue in (getattr(instance, name, None) for name in _QUEUE.values())
-                if type(queue) is AckQueue and queue.reporter is not None
-            ]
-            for reporter in reporters:
-                reporter.forgetting = True
-        except Exception:
-            self._fail("reset")
-            return wrapped(*args, **kwargs)
+        reporters = [
+            queue.reporter
+            for queue in (getattr(instance, name, None) for name in _QUEUE.values())
+            if type(queue) is AckQueue and queue.reporter is not None
+        ]
+        for reporter in reporters:
+            reporter.forgetting = True
         try:
             return wrapped(*args, **kwargs)
         finally:
@@ -305,16 +333,16 @@ class HiCacheHooks:
     def load_back(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``UnifiedRadixCache.load_back(node_id, mem_quota, req)``: the load backs it starts serve ``req``."""
         req = args[2] if len(args) > 2 else kwargs.get("req")
-        return self._link_new_acks(wrapped, instance, args, kwargs, req, _LOAD, "load_back")
+        return self._link_new_acks(wrapped, instance, args, kwargs, req, _LOAD)
 
     def checkpoint(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``UnifiedRadixCache.checkpoint_into_tree(req, ...)`` / ``advance_unpublished_req(req)``: the backups its
         insert starts (write-through) carry ``req``'s tokens."""
         req = args[0] if args else kwargs.get("req")
-        return self._link_new_acks(wrapped, instance, args, kwargs, req, _WRITE, "checkpoint")
+        return self._link_new_acks(wrapped, instance, args, kwargs, req, _WRITE)
 
     def _link_new_acks(
-        self, wrapped: Callable[..., Any], cache: Any, args: tuple, kwargs: dict, req: Any, direction: str, hook: str
+        self, wrapped: Callable[..., Any], cache: Any, args: tuple, kwargs: dict, req: Any, direction: str
     ) -> Any:
         """Remember ``req``'s span for every ack id ``wrapped`` adds to the cache's in-flight transfers of
         ``direction`` (``ongoing_write_through`` / ``ongoing_load_back``); the transfer span of the next ack of that
@@ -322,24 +350,16 @@ class HiCacheHooks:
         span = _request_span(req)
         if span is None:
             return wrapped(*args, **kwargs)
-        try:
-            ongoing = getattr(cache, _ONGOING[direction])
-            before = set(ongoing)
-        except Exception:
-            self._fail(hook)
-            return wrapped(*args, **kwargs)
+        ongoing = getattr(cache, _ONGOING[direction])
+        before = set(ongoing)
         result = wrapped(*args, **kwargs)
-        try:
-            new = ongoing.keys() - before
-            if new and cache.cache_controller is not None:
-                links = self._links(cache.cache_controller)[direction]
-                link = (monotonic_ns(), span.get_span_context())
-                for ack_id in new:
-                    links[ack_id] = (*links.get(ack_id, ()), link)
-                while len(links) > MAX_PENDING:  # ack ids whose ack was never consumed (a reset we did not see)
-                    _drop_oldest(links)
-        except Exception:
-            self._fail(hook)
+        new = ongoing.keys() - before
+        if new and cache.cache_controller is not None:
+            links = self._links(cache.cache_controller)[direction]
+            link = (monotonic_ns(), span.get_span_context())
+            for ack_id in new:
+                links[ack_id] = (*links.get(ack_id, ()), link)
+            trim(links)  # ack ids whose ack was never consumed (a reset we did not see)
         return result
 
     # ------------------------------------------------------------------ eviction and drops: UnifiedRadixCache
@@ -347,155 +367,115 @@ class HiCacheHooks:
         """``_evict``: one eviction pass; SGLang reports full-layer tokens only, and nothing when none were freed."""
         start = time.perf_counter()
         result = wrapped(*args, **kwargs)
-        try:
-            freed = result.num_tokens_evicted
-            if freed > 0 and self.telemetry is not None:
-                duration = time.perf_counter() - start
-                self.telemetry.record_eviction(
-                    EvictionRecord(tier=Tier.DEVICE, num_tokens=freed, duration_s=duration, time_ns=now_ns())
-                )
-        except Exception:
-            self._fail("evict")
+        freed = result.num_tokens_evicted
+        telemetry = self.telemetry
+        if freed > 0 and telemetry is not None:
+            duration = time.perf_counter() - start
+            telemetry.record_eviction(
+                EvictionRecord(tier=Tier.DEVICE, num_tokens=freed, duration_s=duration, time_ns=now_ns())
+            )
         return result
 
-    def record_dropped_tokens(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    def dropped_tokens(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``_record_dropped_tokens(dropped_tokens, reason)``: SGLang's own drop count, per reason."""
         result = wrapped(*args, **kwargs)
-        try:
-            tokens, reason = _drop_arguments(*args, **kwargs)
-            telemetry = self._sink() if tokens > 0 else None
-            if telemetry is not None:
-                telemetry.record_drop(
-                    DropRecord(reason=reason, tokens_by_pool={DEFAULT_POOL: tokens}, time_ns=now_ns())
-                )
-        except Exception:
-            self._fail("record_dropped_tokens")
+        tokens, reason = _drop_arguments(*args, **kwargs)
+        telemetry = self._sink() if tokens > 0 else None
+        if telemetry is not None:
+            telemetry.record_drop(DropRecord(reason=reason, tokens_by_pool={DEFAULT_POOL: tokens}, time_ns=now_ns()))
         return result
 
     # ------------------------------------------------------------------ prefill admission: PrefillAdder
+    def prefill_budget(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``_update_prefill_budget``: the adder's input-token counter delta (retracted re-counts excluded)."""
+        split, result = _prefill_delta(wrapped, instance, args, kwargs)
+        self._admitted_input[instance] = split.input_tokens
+        telemetry = self.telemetry
+        if any(split) and telemetry is not None:
+            telemetry.record_prefix_split(split)
+        return result
+
     def prefill_admission(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``_update_prefill_budget`` / ``_account_prefill_cache_admission``: the adder's counter deltas.
+        """``_account_prefill_cache_admission(req, ...)``: the adder's per-tier hit counter deltas.
 
         SGLang's ``prefill_effective_tokens_total`` is built from the same counters (input minus retracted
         re-counts, and the per-tier split of non-retracted requests), so the sums agree. With SGLang's request
-        tracing on, ``_account_prefill_cache_admission(req, ...)`` also puts the split on ``req``'s span: its hits,
-        and the input tokens of the budget update SGLang makes for the same admission just before.
+        tracing on, it also puts the split on ``req``'s span: its hits, and the input tokens of the budget update
+        SGLang makes for the same admission just before.
         """
-        try:
-            before = _prefill_counts(instance)
-        except Exception:
-            self._fail("prefill_admission")
-            return wrapped(*args, **kwargs)
-        result = wrapped(*args, **kwargs)
-        try:
-            after = _prefill_counts(instance)
-            split = PrefixSplit(
-                input_tokens=after[0] - before[0],
-                device_hit=after[1] - before[1],
-                host_hit=after[2] - before[2],
-                storage_hit=after[3] - before[3],
-            )
-            span = None
-            if wrapped.__name__ == "_account_prefill_cache_admission":
-                span = _request_span(args[0] if args else kwargs.get("req"))
-            else:
-                self._admitted_input[instance] = split.input_tokens
-            if (any(split) or span is not None) and self.telemetry is not None:
-                self.telemetry.record_prefix_split(split, request_span=span)
-                if span is not None:
-                    span.set_attribute(f"{ATTR_PREFIX_TOKENS}.{PrefillMode.INPUT.value}",
-                                       self._admitted_input.pop(instance, 0))  # fmt: skip
-        except Exception:
-            self._fail("prefill_admission")
+        split, result = _prefill_delta(wrapped, instance, args, kwargs)
+        span = _request_span(args[0] if args else kwargs.get("req"))
+        telemetry = self.telemetry
+        if (any(split) or span is not None) and telemetry is not None:
+            telemetry.record_prefix_split(split, request_span=span)
+            if span is not None:
+                span.set_attribute(f"{ATTR_PREFIX_TOKENS}.{PrefillMode.INPUT.value}",
+                                   self._admitted_input.pop(instance, 0))  # fmt: skip
         return result
 
     # ------------------------------------------------------------------ L3 storage
     def storage_backup(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``_page_backup_or_log`` (storage backup thread): one host -> storage write, host-clock timed."""
+        """``_page_backup_or_log(operation)`` (storage backup thread): one host -> storage write, host-clock timed."""
         submit_ns, start = now_ns(), time.perf_counter()
         result = wrapped(*args, **kwargs)
-        try:
-            operation = args[0] if args else kwargs["operation"]
-            tokens = operation.completed_tokens
-            telemetry = self._sink() if tokens > 0 else None
-            if telemetry is not None:
-                duration = time.perf_counter() - start
-                telemetry.record_transfer(
-                    TransferRecord(
-                        operation=TransferOperation.STORAGE_BACKUP,
-                        tokens_by_pool={DEFAULT_POOL: tokens},
-                        num_bytes=tokens * _size_per_token(instance.storage_host_pool),
-                        submit_time_ns=submit_ns,
-                        complete_time_ns=now_ns(),
-                        copy_duration_s=duration,
-                        timing_source=TimingSource.HOST_CLOCK,
-                        write_policy=instance.write_policy,
-                        io_backend=instance.storage_backend_type,
-                    )
+        operation = args[0] if args else kwargs["operation"]
+        tokens = operation.completed_tokens
+        telemetry = self._sink() if tokens > 0 else None
+        if telemetry is not None:
+            duration = time.perf_counter() - start
+            telemetry.record_transfer(
+                TransferRecord(
+                    operation=TransferOperation.STORAGE_BACKUP,
+                    tokens_by_pool={DEFAULT_POOL: tokens},
+                    num_bytes=tokens * _size_per_token(instance.storage_host_pool),
+                    submit_time_ns=submit_ns,
+                    complete_time_ns=now_ns(),
+                    copy_duration_s=duration,
+                    timing_source=TimingSource.HOST_CLOCK,
+                    write_policy=instance.write_policy,
+                    io_backend=instance.storage_backend_type,
                 )
-        except Exception:
-            self._fail("storage_backup")
+            )
         return result
 
     def storage_prefetch(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``_handle_prefetch_result``: a finished storage -> host prefetch, from its issue to its result."""
-        try:
-            operation = args[0] if args else kwargs["operation"]
-            tokens = operation.completed_tokens
-            issued_ns = ANCHOR.to_epoch_ns(int(operation.start_time * 1e9))  # PrefetchOperation: time.monotonic()
-        except Exception:
-            self._fail("storage_prefetch")
-            return wrapped(*args, **kwargs)
+        """``_handle_prefetch_result(operation)``: a finished storage -> host prefetch, from its issue to its result."""
+        operation = args[0] if args else kwargs["operation"]
+        tokens = operation.completed_tokens
+        issued_ns = ANCHOR.to_epoch_ns(int(operation.start_time * 1e9))  # PrefetchOperation: time.monotonic()
         result = wrapped(*args, **kwargs)
-        try:
-            telemetry = self._sink() if tokens > 0 else None
-            if telemetry is not None:
-                cc = instance.cache_controller
-                telemetry.record_transfer(
-                    TransferRecord(
-                        operation=TransferOperation.STORAGE_PREFETCH,
-                        tokens_by_pool={DEFAULT_POOL: tokens},
-                        num_bytes=tokens * _size_per_token(cc.storage_host_pool),
-                        submit_time_ns=min(issued_ns, now_ns()),
-                        complete_time_ns=now_ns(),
-                        io_backend=cc.storage_backend_type,
-                    )
+        telemetry = self._sink() if tokens > 0 else None
+        if telemetry is not None:
+            cc = instance.cache_controller
+            telemetry.record_transfer(
+                TransferRecord(
+                    operation=TransferOperation.STORAGE_PREFETCH,
+                    tokens_by_pool={DEFAULT_POOL: tokens},
+                    num_bytes=tokens * _size_per_token(cc.storage_host_pool),
+                    submit_time_ns=min(issued_ns, now_ns()),
+                    complete_time_ns=now_ns(),
+                    io_backend=cc.storage_backend_type,
                 )
-        except Exception:
-            self._fail("storage_prefetch")
+            )
         return result
 
     # ------------------------------------------------------------------ pool occupancy
     def init_hicache(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """After ``UnifiedRadixCache.init_hicache``: report the host KV pool's occupancy at each collection."""
         result = wrapped(*args, **kwargs)
-        try:
-            telemetry = self._sink()
-            if telemetry is not None:
-                telemetry.add_pool_usage_source(_HostPoolSource(instance, telemetry))
-        except Exception:
-            self._fail("init_hicache")
+        telemetry = self._sink()
+        if telemetry is not None:
+            telemetry.add_pool_usage_source(WeakPoolSource(instance, _host_pool_usage, telemetry))
         return result
 
 
-class _HostPoolSource:
-    """Host KV pool occupancy as SGLang's scheduler computes it (logical size minus available), read lazily."""
-
-    __slots__ = ("__weakref__", "_cache", "_telemetry")
-
-    def __init__(self, cache: Any, telemetry: HiCacheTelemetry) -> None:
-        self._cache = weakref.ref(cache)
-        self._telemetry = telemetry
-
-    def __call__(self) -> list[PoolUsage]:
-        cache = self._cache()
-        if cache is None:  # the cache is gone: stop reporting it
-            self._telemetry.remove_pool_usage_source(self)
-            return []
-        pool = getattr(cache, "token_to_kv_pool_host", None) or getattr(cache, "full_kv_pool_host", None)
-        if pool is None:
-            return []
-        total = pool.logical_size
-        return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=total - pool.available_size(), limit=total)]
+def _host_pool_usage(cache: Any) -> list[PoolUsage]:
+    """Host KV pool occupancy as SGLang's scheduler computes it (logical size minus available)."""
+    pool = getattr(cache, "token_to_kv_pool_host", None) or getattr(cache, "full_kv_pool_host", None)
+    if pool is None:
+        return []
+    total = pool.logical_size
+    return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=total - pool.available_size(), limit=total)]
 
 
 def _served(links: _Links, ack_ids: list[int], done_ns: int) -> tuple[SpanContext, ...]:
@@ -516,14 +496,6 @@ def _served(links: _Links, ack_ids: list[int], done_ns: int) -> tuple[SpanContex
     return tuple(served)
 
 
-def _drop_oldest(table: dict[Any, Any]) -> None:
-    """Forget ``table``'s oldest entry; the host thread may be taking entries from it at the same time."""
-    try:
-        table.pop(next(iter(table)), None)
-    except (RuntimeError, StopIteration):  # it took one meanwhile: the table is back under its bound
-        pass
-
-
 def _request_span(req: Any) -> Span | None:
     """The span SGLang's request tracing keeps for ``req`` in this (scheduler) process, or None with tracing off."""
     try:
@@ -539,6 +511,14 @@ def _request_span(req: Any) -> Span | None:
 
 def _drop_arguments(dropped_tokens: int, reason: str) -> tuple[int, DropReason]:
     return int(dropped_tokens), DropReason(str(reason))
+
+
+def _prefill_delta(wrapped: Callable[..., Any], adder: Any, args: tuple, kwargs: dict) -> tuple[PrefixSplit, Any]:
+    """Run ``wrapped`` and return (how much it moved the adder's prefill counters, its result)."""
+    before = _prefill_counts(adder)
+    result = wrapped(*args, **kwargs)
+    after = _prefill_counts(adder)
+    return PrefixSplit(*(now - then for now, then in zip(after, before, strict=True))), result
 
 
 def _prefill_counts(adder: Any) -> tuple[int, int, int, int]:
