@@ -1,4 +1,4 @@
-"""Fixtures for running SGLang 0.5.23's real HiCache classes on a CPU (run in .venv-sglang).
+"""Fixtures for running SGLang's real HiCache classes on a CPU (run in .venv-sglang; .venv-sglang-0.5.22 for 0.5.22).
 
 The CPU shims, the cache builder and the file L3 backend live in :mod:`otel_hicache.testing.sglang` (the benchmarks
 use the same); the SDK is :func:`otel_hicache.testing.sdk.make_sdk`, with the production Views.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from array import array
+from importlib.metadata import version
 from typing import Any
 
 import pytest
@@ -286,7 +287,7 @@ def test_unsupported_sglang_warns_once_and_patches_nothing(
     assert not SGLangHiCacheInstrumentor().is_instrumented_by_opentelemetry
     assert vars(HiCacheController)["start_writing"] is original
     warnings = [r for r in caplog.records if "not instrumented" in r.getMessage()]
-    assert len(warnings) == 1 and "found sglang 0.5.23" in warnings[0].getMessage()
+    assert len(warnings) == 1 and f"found sglang {version('sglang')}" in warnings[0].getMessage()
 
 
 def test_suppressed_instrumentation_reports_nothing_and_sglang_runs_unchanged(
@@ -402,7 +403,7 @@ def test_every_pool_name_of_this_sglang_is_counted_under_its_own_name(cpu_sglang
     from otel_hicache.integrations.sglang.semconv import SGLANG_POOLS
     from otel_hicache.records import TransferRecord
 
-    assert {p.value for p in PoolName} == set(SGLANG_POOLS) | sc.POOLS
+    assert {p.value for p in PoolName} <= set(SGLANG_POOLS) | sc.POOLS  # every release's names are declared
     instrumentor = SGLangHiCacheInstrumentor()
     instrumentor.instrument(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
     try:
