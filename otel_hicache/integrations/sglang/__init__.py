@@ -63,6 +63,16 @@ differences: ``hicache.*`` values are counted even when SGLang runs without ``--
 SGLang discards after it arrived is still a completed ``storage_prefetch`` transfer here; L3 bytes are the KV pool's
 tokens times its bytes per token (0 where the host pool is a group that does not state a size).
 
+Never undercounting silently, on a release that changed: a drop reason this adapter does not know is counted as
+``other``, and hits under a prefill-adder counter it does not know (``log_*_hit_tokens``) as prefill mode ``other``,
+every time; an ack that leaves its queue any way a list allows (``pop``, ``clear``, ``del q[:n]``, slice assignment,
+``remove``, ``*=``) is reported, and a queue that is not a list is left alone with one warning. Where SGLang keeps its
+radix-cache collector in the same process (``--enable-metrics``), a self-check (:class:`.hooks.CountersCheck`,
+about once a second and at each flush) compares our backup and load-back tokens and bytes, evicted and dropped tokens
+with it; a difference that outlasts :data:`.hooks.CHECK_LAG_S` counts one ``otel_hicache.engine.mismatch`` per
+instrument, with one warning. (L3 and prefill series are not self-checked: see the known differences above; the
+prefill collector belongs to the scheduler, which no wrapper sees.)
+
 Cost on the scheduler thread: the completion checks are not wrapped (a check that consumes nothing costs nothing);
 each consumed ack costs one entry put on its queue's :class:`~otel_hicache.deferred.DeferredQueue`
 (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`), and the record is built and counted on the

@@ -26,12 +26,14 @@ Failure rule (:mod:`.._base`): our code never raises into SGLang nor changes its
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
 from time import monotonic_ns
-from typing import Any, SupportsIndex
+from typing import Any, SupportsIndex, cast
 
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from opentelemetry.trace import Span, SpanContext
@@ -43,6 +45,10 @@ from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSp
 from otel_hicache.semconv import (
     ATTR_PREFIX_TOKENS,
     DEFAULT_POOL,
+    METRIC_DROPPED_TOKENS,
+    METRIC_EVICTION_TOKENS,
+    METRIC_TRANSFER_SIZE,
+    METRIC_TRANSFER_TOKENS,
     DropReason,
     PrefillMode,
     Tier,
@@ -227,6 +233,8 @@ class HiCacheHooks:
         self._queues: weakref.WeakValueDictionary[int, AckQueue] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self._admitted_input: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # per PrefillAdder
+        self._check: CountersCheck | None = None  # the self-check against SGLang's own collector
+        self._incomparable = False  # a cache counts into no collector, or into another: no self-check
 
     @property
     def telemetry(self) -> HiCacheTelemetry | None:
@@ -253,10 +261,12 @@ class HiCacheHooks:
         return links
 
     def detach(self) -> None:
-        """Stop every adopted ack queue reporting (``uninstrument()``): each stays a plain list for SGLang."""
+        """Stop every adopted ack queue reporting (``uninstrument()``): each stays a plain list for SGLang; and the
+        self-check."""
         for queue in list(self._queues.values()):
             queue.detach()
         self._queues.clear()
+        self.end_self_check()
 
     # ------------------------------------------------------------------ submission: HiCacheController
     @checks_suppression
@@ -388,11 +398,11 @@ class HiCacheHooks:
     # ------------------------------------------------------------------ prefill admission: PrefillAdder
     def prefill_budget(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``_update_prefill_budget``: the adder's input-token counter delta (retracted re-counts excluded)."""
-        split, result = _prefill_delta(wrapped, instance, args, kwargs)
+        (split, other), result = _prefill_delta(wrapped, instance, args, kwargs)
         self._admitted_input[instance] = split.input_tokens
         telemetry = self.telemetry
-        if any(split) and telemetry is not None:
-            telemetry.record_prefix_split(split)
+        if (any(split) or other) and telemetry is not None:
+            telemetry.record_prefix_split(split, other_hit=other)
         return result
 
     def prefill_admission(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -403,11 +413,11 @@ class HiCacheHooks:
         tracing on, it also puts the split on ``req``'s span: its hits, and the input tokens of the budget update
         SGLang makes for the same admission just before.
         """
-        split, result = _prefill_delta(wrapped, instance, args, kwargs)
+        (split, other), result = _prefill_delta(wrapped, instance, args, kwargs)
         span = _request_span(args[0] if args else kwargs.get("req"))
         telemetry = self.telemetry
-        if (any(split) or span is not None) and telemetry is not None:
-            telemetry.record_prefix_split(split, request_span=span)
+        if (any(split) or other or span is not None) and telemetry is not None:
+            telemetry.record_prefix_split(split, request_span=span, other_hit=other)
             if span is not None:
                 span.set_attribute(f"{ATTR_PREFIX_TOKENS}.{PrefillMode.INPUT.value}",
                                    self._admitted_input.pop(instance, 0))  # fmt: skip
@@ -466,7 +476,108 @@ class HiCacheHooks:
         telemetry = self._sink()
         if telemetry is not None:
             telemetry.add_pool_usage_source(WeakPoolSource(instance, _host_pool_usage, telemetry))
+            self._self_check(telemetry, instance)
         return result
+
+    def _self_check(self, telemetry: HiCacheTelemetry, cache: Any) -> None:
+        """Compare ours with the radix-cache collector SGLang keeps in this process (``--enable-metrics``), while
+        every cache reporting here counts into that one collector; a cache without it (or with another) ends the
+        comparison."""
+        collector = getattr(cache, "metrics_collector", None)
+        check = self._check
+        if check is None and collector is not None and not self._incomparable:
+            self._check = check = CountersCheck(telemetry, collector)
+            telemetry.add_engine_check(check)
+        if check is not None and check.collector is collector:
+            check.caches.add(cache)
+            return
+        self._incomparable = True
+        self.end_self_check()
+
+    def end_self_check(self) -> None:
+        check, self._check = self._check, None
+        if check is not None:
+            check.telemetry.remove_engine_check(check)
+
+
+#: How long a difference between SGLang's count and ours must last to be real: our record of an ack is counted on
+#: the telemetry's host thread within a tick (50 ms) of the ack leaving its queue, and SGLang counts right after it
+#: left; a difference that outlasts both is an ack one of us never counted.
+CHECK_LAG_S = 1.0
+#: What the self-check compares: our instrument, the part of it (by its first attribute value), and the attribute of
+#: SGLang's ``RadixCacheMetricsCollector`` counting the same (summed over its pools / reasons).
+_COMPARED: tuple[tuple[str, str | None, str], ...] = (
+    (METRIC_TRANSFER_TOKENS, TransferOperation.BACKUP.value, "backup_num_tokens"),
+    (METRIC_TRANSFER_TOKENS, TransferOperation.LOAD_BACK.value, "load_back_num_tokens"),
+    (METRIC_TRANSFER_SIZE, TransferOperation.BACKUP.value, "backup_num_bytes"),
+    (METRIC_TRANSFER_SIZE, TransferOperation.LOAD_BACK.value, "load_back_num_bytes"),
+    (METRIC_EVICTION_TOKENS, Tier.DEVICE.value, "eviction_num_tokens"),
+    (METRIC_DROPPED_TOKENS, None, "hicache_dropped_tokens"),
+)
+_Sample = tuple[float, tuple[float, ...], tuple[float, ...]]  # (monotonic time, ours, SGLang's)
+
+
+class CountersCheck:
+    """The engine self-check (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.add_engine_check`): our backup and
+    load-back tokens and bytes, evicted and dropped tokens against SGLang's radix-cache collector in this process,
+    counted from when the check began. A difference is real when ours is below what SGLang had counted
+    :data:`CHECK_LAG_S` earlier, or was above what SGLang holds now that long after: each such finding is reported
+    once (the comparison then starts again from there). Quantities SGLang's collector does not have are skipped."""
+
+    def __init__(self, telemetry: HiCacheTelemetry, collector: Any) -> None:
+        self.telemetry = telemetry
+        self.collector = collector
+        self.caches: weakref.WeakSet[Any] = weakref.WeakSet()  # while one lives, its counts go to the collector
+        self._samples: deque[_Sample] = deque(maxlen=64)
+        self._base = self._read()
+
+    def __call__(self) -> list[str]:
+        if not self.caches:  # every cache went away
+            self.telemetry.remove_engine_check(self)
+            return []
+        now = time.monotonic()
+        ours, theirs = self._read()
+        ours = tuple(n - b for n, b in zip(ours, self._base[0], strict=True))
+        theirs = tuple(n - b for n, b in zip(theirs, self._base[1], strict=True))
+        samples = self._samples
+        samples.append((now, ours, theirs))
+        while len(samples) > 1 and now - samples[1][0] >= CHECK_LAG_S:
+            samples.popleft()
+        then, ours_then, theirs_then = samples[0]
+        if now - then < CHECK_LAG_S:
+            return []
+        mismatched = {
+            name
+            for (name, _, _), *counts in zip(_COMPARED, ours, theirs, ours_then, theirs_then, strict=True)
+            if counts[0] < counts[3] or counts[2] > counts[1]
+        }
+        if mismatched:  # reported once: compare from here on
+            self._base = self._read()
+            samples.clear()
+        return sorted(mismatched)
+
+    def _read(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        snapshot = self.telemetry.snapshot()
+        ours, theirs = [], []
+        for name, part, attribute in _COMPARED:
+            ours.append(sum(n for key, n in snapshot.get(name, {}).items() if part is None or key[0] == part))
+            theirs.append(_sglang_total(self.collector, attribute))
+        return tuple(ours), tuple(theirs)
+
+
+def _sglang_total(collector: Any, attribute: str) -> float:
+    """The total of one of SGLang's counters (its samples of this collector's labels); 0 where it has none."""
+    metric = getattr(collector, attribute, None)
+    metric = getattr(metric, "_prom", metric)  # our OTel-backed stat-logger classes keep SGLang's metric there
+    if metric is None:
+        return 0.0
+    labels = getattr(collector, "labels", {})
+    return sum(
+        sample.value
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total") and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def _host_pool_usage(cache: Any) -> list[PoolUsage]:
@@ -510,23 +621,42 @@ def _request_span(req: Any) -> Span | None:
 
 
 def _drop_arguments(dropped_tokens: int, reason: str) -> tuple[int, DropReason]:
-    return int(dropped_tokens), DropReason(str(reason))
+    # a reason this release added is counted by the core as "other" (and noted), every time
+    return int(dropped_tokens), cast(DropReason, str(reason))
 
 
-def _prefill_delta(wrapped: Callable[..., Any], adder: Any, args: tuple, kwargs: dict) -> tuple[PrefixSplit, Any]:
-    """Run ``wrapped`` and return (how much it moved the adder's prefill counters, its result)."""
+#: The prefill adder's counters we know, by prefill mode (SGLang counts each admission's tokens into them).
+_KNOWN_HITS = frozenset({"log_device_hit_tokens", "log_host_hit_tokens", "log_storage_hit_tokens"})
+_HIT_COUNTER = re.compile(r"log_\w+_hit_tokens")
+
+
+def _prefill_delta(
+    wrapped: Callable[..., Any], adder: Any, args: tuple, kwargs: dict
+) -> tuple[tuple[PrefixSplit, int], Any]:
+    """Run ``wrapped``; return ((how much it moved the adder's prefill counters, the hits of counters we do not know:
+    mode ``other``), its result)."""
     before = _prefill_counts(adder)
     result = wrapped(*args, **kwargs)
     after = _prefill_counts(adder)
-    return PrefixSplit(*(now - then for now, then in zip(after, before, strict=True))), result
+    moved = [now - then for now, then in zip(after, before, strict=True)]
+    return (PrefixSplit(*moved[:4]), moved[4]), result
 
 
-def _prefill_counts(adder: Any) -> tuple[int, int, int, int]:
+def _prefill_counts(adder: Any) -> tuple[int, int, int, int, int]:
+    """(input, device, host, storage, other hit tokens) the adder has counted. A hit counter SGLang added (or
+    renamed: the known one then reads 0) is summed into ``other``."""
+    counters = vars(adder)
+    other = sum(
+        value
+        for name, value in counters.items()
+        if name not in _KNOWN_HITS and type(value) is int and _HIT_COUNTER.fullmatch(name)
+    )
     return (
-        adder.log_input_tokens - adder.reprocessed_log_input_tokens,
-        adder.log_device_hit_tokens,
-        adder.log_host_hit_tokens,
-        adder.log_storage_hit_tokens,
+        counters["log_input_tokens"] - counters.get("reprocessed_log_input_tokens", 0),
+        counters.get("log_device_hit_tokens", 0),
+        counters.get("log_host_hit_tokens", 0),
+        counters.get("log_storage_hit_tokens", 0),
+        other,
     )
 
 
