@@ -38,9 +38,15 @@ tokens``
 ``HiCacheController._page_backup_or_log`` ``hicache.storage_backup`` (L2 -> L3, storage thread, host-clock timed)
 ``UnifiedRadixCache._handle_prefetch_     ``hicache.storage_prefetch`` (L3 -> L2, from the prefetch's issue to its
 result``                                  result)
-``UnifiedRadixCache.load_back`` (with     with SGLang's request tracing on: the request's scheduler span, which the
-``req``), ``checkpoint_into_tree`` /      ``hicache.load_back`` / ``hicache.backup`` spans of the transfers they start
-``advance_unpublished_req``               link to; ``_account_prefill_cache_admission`` puts the prefix split on it
+``UnifiedRadixCache.load_back`` (with     ``hicache.request.kv_wait{tier="host"}``: from the admission that starts a
+``req``)                                  request's load back until that load back is seen complete (upper bound, at
+                                          scheduler-step resolution); with request tracing, also on its span
+``UnifiedRadixCache.check_prefetch_       ``hicache.request.kv_wait{tier="storage"}``: from the prefetch's start until
+progress``                                SGLang's stop policy lets the request go, recorded at its admission
+``load_back``, ``checkpoint_into_tree`` / with SGLang's request tracing on: the request's scheduler span, which the
+``advance_unpublished_req``               ``hicache.load_back`` / ``hicache.backup`` spans of the transfers they start
+                                          link to; ``_account_prefill_cache_admission`` puts the prefix split (and the
+                                          KV waits, ``hicache.kv_wait.<tier>``) on it
 ``UnifiedRadixCache.init_hicache``        ``hicache.pool.usage`` / ``.limit`` of the host KV pool, read at collection
 ``HiCacheController.reset``               forgets acks the reset discarded (also under suppression)
 ========================================  =============================================================================

@@ -41,7 +41,7 @@ from opentelemetry.trace import Span, SpanContext
 from otel_hicache.deferred import DeferredQueue
 from otel_hicache.integrations._base import ProcessSink, Ranks, WeakPoolSource, checks_suppression, hook_failed, trim
 from otel_hicache.integrations._base import warn_once as _warn_once
-from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferRecord
+from otel_hicache.records import DropRecord, EvictionRecord, KvWait, PoolUsage, PrefixSplit, TransferRecord
 from otel_hicache.semconv import (
     ATTR_PREFIX_TOKENS,
     DEFAULT_POOL,
@@ -65,8 +65,11 @@ _QUEUE = {_WRITE: "ack_write_queue", _LOAD: "ack_load_queue"}
 _ONGOING = {_WRITE: "ongoing_write_through", _LOAD: "ongoing_load_back"}
 _Submitted = tuple["int | None", int]  # (submit time in monotonic ns, or None when unknown; merged ops)
 _UNSEEN: _Submitted = (None, 1)  # an ack queued before its queue was adopted
-#: ack id -> ((when it was linked, in monotonic ns), request span) of the requests its next transfer serves
-_Links = dict[int, tuple[tuple[int, SpanContext], ...]]
+#: What a transfer is known to serve: (when, in monotonic ns; the request span's context, None untraced; the request
+#: span; the request's identity). Load backs: every request that started one (its KV wait); backups: traced ones only.
+_Link = tuple[int, "SpanContext | None", "Span | None", int]
+#: ack id -> the links of the requests its next transfer serves
+_Links = dict[int, tuple[_Link, ...]]
 
 
 class AckQueue(list[Any]):  # SGLang's List[HiCacheAck]
@@ -168,7 +171,7 @@ class AckReporter:
     """Reports one queue's consumed acks as transfers of one operation (``backup`` for the write queue, ``load_back``
     for the load queue), on the telemetry's host thread."""
 
-    __slots__ = ("forgetting", "links", "report", "site", "submitted")
+    __slots__ = ("forgetting", "links", "report", "site", "submitted", "waits")
 
     def __init__(self, telemetry: HiCacheTelemetry, cc: Any, direction: str, links: _Links) -> None:
         write = direction is _WRITE
@@ -179,7 +182,8 @@ class AckReporter:
             io_backend=cc.io_backend or None,
         )
         self.report = telemetry.record_transfer_at
-        self.links = links  # request tracing on: the request spans this direction's transfers serve
+        self.waits = None if write else telemetry.record_kv_wait  # a load back: its requests waited for it
+        self.links = links  # the requests this direction's transfers serve
         self.submitted: dict[int, _Submitted | None] = {}  # id(ack) -> submission; None: under suppression
         self.forgetting = False  # HiCacheController.reset is clearing the queue: its acks were never consumed
 
@@ -198,6 +202,7 @@ class AckReporter:
             return  # submitted inside suppress_instrumentation(): not reported
         submit_ns, merged = submitted
         nodes, epoch = ack.node_ids, ANCHOR.offset_ns  # monotonic -> epoch ns
+        served = _served(self.links, nodes, done_ns) if self.links else ()
         self.report(
             self.site,
             ack.num_tokens_by_pool or {},
@@ -208,8 +213,14 @@ class AckReporter:
             elapsed_seconds(ack.start_event, ack.finish_event) if ack.timing_enabled else None,
             merged,
             len(nodes),
-            _served(self.links, nodes, done_ns) if self.links else (),
+            tuple(context for _, context, _, _ in served if context is not None),
         )
+        waits, waited = self.waits, set()
+        if waits is not None:
+            for linked_ns, _, span, request in served:  # each request once: its nodes may be several of the ack's
+                if request not in waited:
+                    waited.add(request)
+                    waits(KvWait(Tier.HOST, (done_ns - linked_ns) / 1e9, done_ns + epoch), span)
 
 
 class HiCacheHooks:
@@ -233,6 +244,10 @@ class HiCacheHooks:
         self._queues: weakref.WeakValueDictionary[int, AckQueue] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self._admitted_input: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # per PrefillAdder
+        # request id -> when its prefetch started, until SGLang lets the request go; then -> (seconds its prefetch
+        # held it, when it was let go), until the request is admitted
+        self._prefetch_starts: dict[str, float] = {}
+        self._storage_waits: dict[str, tuple[float, int]] = {}
         self._check: CountersCheck | None = None  # the self-check against SGLang's own collector
         self._incomparable = False  # a cache counts into no collector, or into another: no self-check
 
@@ -354,11 +369,12 @@ class HiCacheHooks:
     def _link_new_acks(
         self, wrapped: Callable[..., Any], cache: Any, args: tuple, kwargs: dict, req: Any, direction: str
     ) -> Any:
-        """Remember ``req``'s span for every ack id ``wrapped`` adds to the cache's in-flight transfers of
+        """Remember ``req`` (and its span) for every ack id ``wrapped`` adds to the cache's in-flight transfers of
         ``direction`` (``ongoing_write_through`` / ``ongoing_load_back``); the transfer span of the next ack of that
-        direction to complete them links to it. Nothing to do with tracing off."""
+        direction to complete them links to it, and a load back's completion is the end of the request's KV wait.
+        Nothing to do for a backup with tracing off."""
         span = _request_span(req)
-        if span is None:
+        if req is None or (span is None and direction is _WRITE):
             return wrapped(*args, **kwargs)
         ongoing = getattr(cache, _ONGOING[direction])
         before = set(ongoing)
@@ -366,7 +382,7 @@ class HiCacheHooks:
         new = ongoing.keys() - before
         if new and cache.cache_controller is not None:
             links = self._links(cache.cache_controller)[direction]
-            link = (monotonic_ns(), span.get_span_context())
+            link = (monotonic_ns(), None if span is None else span.get_span_context(), span, id(req))
             for ack_id in new:
                 links[ack_id] = (*links.get(ack_id, ()), link)
             trim(links)  # ack ids whose ack was never consumed (a reset we did not see)
@@ -414,8 +430,12 @@ class HiCacheHooks:
         SGLang makes for the same admission just before.
         """
         (split, other), result = _prefill_delta(wrapped, instance, args, kwargs)
-        span = _request_span(args[0] if args else kwargs.get("req"))
+        req = args[0] if args else kwargs["req"]
+        span = _request_span(req)
         telemetry = self.telemetry
+        waited = self._storage_waits.pop(req.cache_request_handle.rid, None) if self._storage_waits else None
+        if waited is not None and telemetry is not None and not req.retracted_stain:
+            telemetry.record_kv_wait(KvWait(Tier.STORAGE, waited[0], waited[1]), request_span=span)
         if (any(split) or other or span is not None) and telemetry is not None:
             telemetry.record_prefix_split(split, request_span=span, other_hit=other)
             if span is not None:
@@ -451,6 +471,7 @@ class HiCacheHooks:
     def storage_prefetch(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``_handle_prefetch_result(operation)``: a finished storage -> host prefetch, from its issue to its result."""
         operation = args[0] if args else kwargs["operation"]
+        self._prefetching(operation)  # its request is let go at the next progress check
         tokens = operation.completed_tokens
         issued_ns = ANCHOR.to_epoch_ns(int(operation.start_time * 1e9))  # PrefetchOperation: time.monotonic()
         result = wrapped(*args, **kwargs)
@@ -468,6 +489,25 @@ class HiCacheHooks:
                 )
             )
         return result
+
+    def prefetch_progress(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``check_prefetch_progress(request)``: the scheduler asks each step whether a request's storage prefetch
+        lets it go; the first yes ends its KV wait (from the prefetch's start), recorded at its admission."""
+        request = args[0] if args else kwargs["request"]
+        ongoing = instance.ongoing_prefetch.get(request)
+        if ongoing is not None:
+            self._prefetching(ongoing.operation)
+        result = wrapped(*args, **kwargs)
+        started = self._prefetch_starts.pop(request.rid, None) if result is True else None
+        if started is not None:
+            self._storage_waits[request.rid] = (max(0.0, time.monotonic() - started), now_ns())
+            trim(self._storage_waits)  # requests released and never admitted (aborted)
+        return result
+
+    def _prefetching(self, operation: Any) -> None:
+        """Note when a request's prefetch started (``PrefetchOperation.start_time``: ``time.monotonic()``)."""
+        self._prefetch_starts[operation.request_id] = operation.start_time
+        trim(self._prefetch_starts)
 
     # ------------------------------------------------------------------ pool occupancy
     def init_hicache(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -589,22 +629,22 @@ def _host_pool_usage(cache: Any) -> list[PoolUsage]:
     return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=total - pool.available_size(), limit=total)]
 
 
-def _served(links: _Links, ack_ids: list[int], done_ns: int) -> tuple[SpanContext, ...]:
-    """The request spans linked to ``ack_ids`` before their ack was consumed (``done_ns``), taken from ``links``.
+def _served(links: _Links, ack_ids: list[int], done_ns: int) -> list[_Link]:
+    """The requests linked to ``ack_ids`` before their ack was consumed (``done_ns``), taken from ``links``.
     The record is built after consumption, so a link made since belongs to a later transfer of the same node and
     stays for it."""
-    served: list[SpanContext] = []
+    served: list[_Link] = []
     for ack_id in ack_ids:
         entry = links.get(ack_id)
         if not entry:
             continue
-        mine = [context for linked_ns, context in entry if linked_ns <= done_ns]
+        mine = [link for link in entry if link[0] <= done_ns]
         if len(mine) == len(entry):
             links.pop(ack_id, None)
         elif mine:
             links[ack_id] = tuple(link for link in entry if link[0] > done_ns)
         served += mine
-    return tuple(served)
+    return served
 
 
 def _request_span(req: Any) -> Span | None:

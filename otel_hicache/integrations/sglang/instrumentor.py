@@ -38,6 +38,7 @@ _TARGETS: Final[tuple[tuple[Target, str], ...]] = (
     (Target(_TREE, "UnifiedRadixCache", "_evict"), "evict"),
     (Target(_TREE, "UnifiedRadixCache", "_record_dropped_tokens", ("dropped_tokens", "reason")), "dropped_tokens"),
     (Target(_TREE, "UnifiedRadixCache", "_handle_prefetch_result", ("operation",)), "storage_prefetch"),
+    (Target(_TREE, "UnifiedRadixCache", "check_prefetch_progress", ("request",)), "prefetch_progress"),
     (Target(_TREE, "UnifiedRadixCache", "init_hicache"), "init_hicache"),
     (Target(_POLICY, "PrefillAdder", "_update_prefill_budget"), "prefill_budget"),
     (Target(_POLICY, "PrefillAdder", "_account_prefill_cache_admission", ("req",)), "prefill_admission"),
