@@ -32,7 +32,14 @@ under write-back)
 ``UnifiedRadixCache._record_dropped_      ``hicache.dropped.tokens{reason, pool="kv"}``
 tokens``
 ``UnifiedRadixCache._evict``              ``hicache.eviction.tokens`` / ``.duration`` (tier ``device``; passes that
-                                          free nothing are not reported, as in SGLang)
+                                          free nothing are not reported, as in SGLang), with one entry per radix node
+``_evict_device_leaf``, ``_demote``       it evicted: ``hicache.eviction.reused`` (SGLang's ``hit_count`` above the
+                                          insert that made the node; unknown under write-back, where SGLang counts no
+                                          hits) and ``hicache.eviction.age`` (since its ``last_access_time``)
+``UnifiedRadixCache.evict_host``,         the same for tier ``host`` (SGLang 0.5.23 has no host-eviction metric):
+``UnifiedTreeCore._evict_host_leaf``      reused = loaded back since its backup; a host copy never read back is
+                                          ``hicache.wasted.size{operation="backup"}`` (its tokens x the host pool's
+                                          bytes per token)
 ``PrefillAdder._update_prefill_budget``,  ``hicache.prefill.tokens{mode}``: input (retracted re-counts excluded) and
 ``_account_prefill_cache_admission``      device / host / storage hits, at admission
 ``HiCacheController._page_backup_or_log`` ``hicache.storage_backup`` (L2 -> L3, storage thread, host-clock timed)
@@ -68,6 +75,12 @@ evicted tokens; prefill tokens per mode for a real ``PrefillAdder`` admitting de
 differences: ``hicache.*`` values are counted even when SGLang runs without ``--enable-metrics``; a hybrid prefetch that
 SGLang discards after it arrived is still a completed ``storage_prefetch`` transfer here; L3 bytes are the KV pool's
 tokens times its bytes per token (0 where the host pool is a group that does not state a size).
+
+Eviction bookkeeping lives on SGLang's own objects: a load back marks the radix nodes whose host copies it reads
+(an attribute on the node), and the age of a node comes from its ``last_access_time``, a logical counter, through
+samples of that counter's value and the time (at submissions, admissions and eviction passes; bounded, see
+:data:`.hooks.CLOCK_SAMPLES`): a lower bound, at scheduler-step resolution. A node split after a load back read it
+leaves its new half unmarked. L3 backups are never counted as wasted: SGLang's file backend does not evict.
 
 Never undercounting silently, on a release that changed: a drop reason this adapter does not know is counted as
 ``other``, and hits under a prefill-adder counter it does not know (``log_*_hit_tokens``) as prefill mode ``other``,

@@ -26,12 +26,15 @@ Failure rule (:mod:`.._base`): our code never raises into SGLang nor changes its
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import re
+import sys
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from time import monotonic_ns
 from typing import Any, SupportsIndex, cast
 
@@ -41,7 +44,15 @@ from opentelemetry.trace import Span, SpanContext
 from otel_hicache.deferred import DeferredQueue
 from otel_hicache.integrations._base import ProcessSink, Ranks, WeakPoolSource, checks_suppression, hook_failed, trim
 from otel_hicache.integrations._base import warn_once as _warn_once
-from otel_hicache.records import DropRecord, EvictionRecord, KvWait, PoolUsage, PrefixSplit, TransferRecord
+from otel_hicache.records import (
+    DropRecord,
+    EvictedEntry,
+    EvictionRecord,
+    KvWait,
+    PoolUsage,
+    PrefixSplit,
+    TransferRecord,
+)
 from otel_hicache.semconv import (
     ATTR_PREFIX_TOKENS,
     DEFAULT_POOL,
@@ -248,6 +259,8 @@ class HiCacheHooks:
         # held it, when it was let go), until the request is admitted
         self._prefetch_starts: dict[str, float] = {}
         self._storage_waits: dict[str, tuple[float, int]] = {}
+        self._evictions = _Evictions()  # the eviction passes running on this thread, innermost last
+        self._clock = _AccessClock()  # SGLang's access counter -> time, for the age of evicted nodes
         self._check: CountersCheck | None = None  # the self-check against SGLang's own collector
         self._incomparable = False  # a cache counts into no collector, or into another: no self-check
 
@@ -294,6 +307,7 @@ class HiCacheHooks:
 
     def _submit(self, wrapped: Callable[..., Any], cc: Any, args: tuple, kwargs: dict, direction: str) -> Any:
         """Note the submission time and merged-op count of the ack ``wrapped`` appends (adopting the queue first)."""
+        self._clock.sample()
         merged = len(cc.write_queue if direction is _WRITE else cc.load_queue)
         queue = self._queue(cc, direction) if merged else None  # no pending op: no ack, nothing to note
         if queue is None:
@@ -356,9 +370,15 @@ class HiCacheHooks:
 
     # ------------------------------------------------------------------ request links (SGLang request tracing on)
     def load_back(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``UnifiedRadixCache.load_back(node_id, mem_quota, req)``: the load backs it starts serve ``req``."""
+        """``UnifiedRadixCache.load_back(node_id, mem_quota, req)``: the load backs it starts serve ``req``, and read
+        the host copies of the nodes they load (marked on SGLang's node objects: not wasted when evicted)."""
         req = args[2] if len(args) > 2 else kwargs.get("req")
-        return self._link_new_acks(wrapped, instance, args, kwargs, req, _LOAD)
+        ongoing = instance.ongoing_load_back
+        before = set(ongoing)
+        result = self._link_new_acks(wrapped, instance, args, kwargs, req, _LOAD)
+        for node_id in ongoing.keys() - before:
+            setattr(instance.tree_core.node_by_id(node_id), _READ, True)
+        return result
 
     def checkpoint(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``UnifiedRadixCache.checkpoint_into_tree(req, ...)`` / ``advance_unpublished_req(req)``: the backups its
@@ -390,16 +410,60 @@ class HiCacheHooks:
 
     # ------------------------------------------------------------------ eviction and drops: UnifiedRadixCache
     def evict(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``_evict``: one eviction pass; SGLang reports full-layer tokens only, and nothing when none were freed."""
-        start = time.perf_counter()
-        result = wrapped(*args, **kwargs)
+        """``_evict``: one device eviction pass, with an entry per radix node it evicted (:meth:`device_entry`);
+        SGLang reports full-layer tokens only, and nothing when none were freed."""
+        with self._evictions.open(0) as entries:
+            start = time.perf_counter()
+            result = wrapped(*args, **kwargs)
         freed = result.num_tokens_evicted
         telemetry = self.telemetry
         if freed > 0 and telemetry is not None:
             duration = time.perf_counter() - start
-            telemetry.record_eviction(
-                EvictionRecord(tier=Tier.DEVICE, num_tokens=freed, duration_s=duration, time_ns=now_ns())
-            )
+            telemetry.record_eviction(EvictionRecord(Tier.DEVICE, freed, duration, now_ns(), self._clock.idle(entries)))
+        return result
+
+    def device_entry(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``_evict_device_leaf(node_id, tracker)`` / ``_demote(node_id, tracker)``: one radix node leaves the
+        device (deleted, or demoted to its host copy). Reused: it served a hit - SGLang's ``hit_count`` counts the
+        insert that made the node and each later insert of its prefix (a request that reused it), so above 1; under
+        write-back SGLang counts no hits: unknown."""
+        core = instance.tree_core
+        node = core.node_by_id(args[0] if args else kwargs["node_id"])
+        tracker = args[1] if len(args) > 1 else kwargs["tracker"]
+        before = _full_tokens(tracker)
+        result = wrapped(*args, **kwargs)
+        tokens = _full_tokens(tracker) - before
+        if tokens > 0:
+            reused = None if core.is_write_back else node.hit_count > 1
+            self._evictions.add(EvictedEntry(tokens, node.last_access_time, reused))
+        return result
+
+    def evict_host(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``evict_host(num_tokens, ...)``: one host eviction pass (SGLang 0.5.23 reports none), with an entry per
+        host copy it freed (:meth:`host_entry`): reused = it was loaded back; wasted = the bytes of one never read."""
+        cc = instance.cache_controller
+        per_token = _size_per_token(getattr(cc, "mem_pool_host", None)) if cc is not None else 0
+        with self._evictions.open(per_token) as entries:
+            start = time.perf_counter()
+            result = wrapped(*args, **kwargs)
+        telemetry = self.telemetry
+        freed = sum(entry.tokens for entry in entries)
+        if freed > 0 and telemetry is not None:
+            duration = time.perf_counter() - start
+            telemetry.record_eviction(EvictionRecord(Tier.HOST, freed, duration, now_ns(), self._clock.idle(entries)))
+        return result
+
+    def host_entry(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``UnifiedTreeCore._evict_host_leaf(node, tracker, ...)``: one radix node's host copy is freed."""
+        node = args[0] if args else kwargs["node"]
+        tracker = args[1] if len(args) > 1 else kwargs["tracker"]
+        before = _full_tokens(tracker)
+        result = wrapped(*args, **kwargs)
+        tokens = _full_tokens(tracker) - before
+        if tokens > 0:
+            read = getattr(node, _READ, False)
+            unread = 0 if read else tokens * self._evictions.bytes_per_token()
+            self._evictions.add(EvictedEntry(tokens, node.last_access_time, read, unread))
         return result
 
     def dropped_tokens(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -414,6 +478,7 @@ class HiCacheHooks:
     # ------------------------------------------------------------------ prefill admission: PrefillAdder
     def prefill_budget(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``_update_prefill_budget``: the adder's input-token counter delta (retracted re-counts excluded)."""
+        self._clock.sample()
         (split, other), result = _prefill_delta(wrapped, instance, args, kwargs)
         self._admitted_input[instance] = split.input_tokens
         telemetry = self.telemetry
@@ -618,6 +683,95 @@ def _sglang_total(collector: Any, attribute: str) -> float:
         for sample in family.samples
         if sample.name.endswith("_total") and all(sample.labels.get(k) == v for k, v in labels.items())
     )
+
+
+#: The mark SGLang's radix node gets when a load back reads its host copy.
+_READ = "_otel_hicache_read"
+#: SGLang's module holding the access counter its radix nodes' ``last_access_time`` is read from.
+_COUNTER_MODULE = "sglang.srt.mem_cache.unified_cache.components.base"
+_COUNTER = "_LAST_ACCESS_TIME_COUNTER_FLOAT"
+#: Samples of that counter kept (one per scheduler event that found it moved): the age of a node used before the
+#: oldest sample is counted from that sample (a lower bound).
+CLOCK_SAMPLES = 4096
+
+
+def _full_tokens(tracker: Any) -> int:
+    """The full-attention tokens an eviction tracker (``{ComponentType: tokens}``) has counted."""
+    return sum(int(n) for kind, n in tracker.items() if getattr(kind, "name", None) == "FULL")
+
+
+class _Evictions:
+    """The eviction passes open on each thread (a device pass may run a host pass inside), collecting the entries
+    of the nodes each evicts: :class:`~otel_hicache.records.EvictedEntry` with SGLang's ``last_access_time``
+    counter in place of ``idle_s`` until :meth:`_AccessClock.idle` turns it into seconds."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _stack(self) -> list[tuple[list[EvictedEntry], int]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    @contextlib.contextmanager
+    def open(self, bytes_per_token: int) -> Iterator[list[EvictedEntry]]:
+        """A pass: what its nodes' entries are added to (``bytes_per_token``: of the tier's copies, for waste)."""
+        stack = self._stack()
+        entries: list[EvictedEntry] = []
+        stack.append((entries, bytes_per_token))
+        try:
+            yield entries
+        finally:
+            stack.pop()
+
+    def add(self, entry: EvictedEntry) -> None:
+        stack = self._stack()
+        if stack and len(stack[-1][0]) < MAX_ENTRIES:
+            stack[-1][0].append(entry)
+
+    def bytes_per_token(self) -> int:
+        stack = self._stack()
+        return stack[-1][1] if stack else 0
+
+
+#: Entries kept per eviction pass (a pass over a huge tree reports its first ones; its total stays exact).
+MAX_ENTRIES = 1024
+
+
+class _AccessClock:
+    """When SGLang's access counter had which value: radix nodes record their last use as that counter (a logical
+    clock), so the age of an evicted node is the time since the first sample after its last use (a lower bound; the
+    samples are taken at submissions, admissions and eviction passes, one scheduler step apart at most)."""
+
+    def __init__(self) -> None:
+        self._counters: deque[float] = deque(maxlen=CLOCK_SAMPLES)
+        self._times: deque[int] = deque(maxlen=CLOCK_SAMPLES)
+
+    def sample(self) -> None:
+        module = sys.modules.get(_COUNTER_MODULE)
+        counter = getattr(module, _COUNTER, None)
+        if counter is None or (self._counters and self._counters[-1] == counter):
+            return
+        self._counters.append(counter)
+        self._times.append(monotonic_ns())
+
+    def idle(self, entries: list[EvictedEntry]) -> list[EvictedEntry]:
+        """``entries`` with each node's age in seconds (``idle_s``) in place of its access counter."""
+        if not entries:
+            return entries
+        self.sample()
+        counters, times, now = list(self._counters), list(self._times), monotonic_ns()
+        aged = []
+        for entry in entries:
+            used = entry.idle_s
+            if used is None or not times:
+                aged.append(entry._replace(idle_s=None))
+                continue
+            after = bisect.bisect_right(counters, used)  # the first sample taken after the node's last use
+            idle_ns = now - times[after] if after < len(times) else 0
+            aged.append(entry._replace(idle_s=idle_ns / 1e9))
+        return aged
 
 
 def _host_pool_usage(cache: Any) -> list[PoolUsage]:

@@ -24,6 +24,7 @@ from otel_hicache.package import _instruments_sglang
 _CONTROLLER = "sglang.srt.managers.cache_controller"
 _TREE = "sglang.srt.mem_cache.unified_radix_cache"
 _POLICY = "sglang.srt.managers.schedule_policy"
+_TREE_CORE = "sglang.srt.mem_cache.unified_cache.unified_tree_core"
 
 #: Every HiCache patch, in one table: (target with the parameters its wrapper reads, the :class:`HiCacheHooks`
 #: method that wraps it).
@@ -36,6 +37,10 @@ _TARGETS: Final[tuple[tuple[Target, str], ...]] = (
     (Target(_TREE, "UnifiedRadixCache", "checkpoint_into_tree", ("req",)), "checkpoint"),
     (Target(_TREE, "UnifiedRadixCache", "advance_unpublished_req", ("req",)), "checkpoint"),
     (Target(_TREE, "UnifiedRadixCache", "_evict"), "evict"),
+    (Target(_TREE, "UnifiedRadixCache", "_evict_device_leaf", ("node_id", "tracker")), "device_entry"),
+    (Target(_TREE, "UnifiedRadixCache", "_demote", ("node_id", "tracker")), "device_entry"),
+    (Target(_TREE, "UnifiedRadixCache", "evict_host", ("num_tokens",)), "evict_host"),
+    (Target(_TREE_CORE, "UnifiedTreeCore", "_evict_host_leaf", ("node", "tracker")), "host_entry"),
     (Target(_TREE, "UnifiedRadixCache", "_record_dropped_tokens", ("dropped_tokens", "reason")), "dropped_tokens"),
     (Target(_TREE, "UnifiedRadixCache", "_handle_prefetch_result", ("operation",)), "storage_prefetch"),
     (Target(_TREE, "UnifiedRadixCache", "check_prefetch_progress", ("request",)), "prefetch_progress"),
