@@ -52,6 +52,23 @@ def test_a_broken_expectation_fails_the_rule_unit_tests(tmp_path: Path) -> None:
     assert result.returncode != 0
 
 
+def unit_tests_of_edited_rules(tmp_path: Path, edits: list[tuple[str, str]]) -> subprocess.CompletedProcess[str]:
+    """The shipped rule unit tests, run against the shipped rules with each ``(text, replacement)`` applied."""
+    broken = RULES.read_text()
+    for old, new in edits:
+        assert old in broken, old
+        broken = broken.replace(old, new)
+    (tmp_path / "hicache.rules.yml").write_text(broken)
+    (tmp_path / "hicache.rules.test.yml").write_text((CONFIG / "rules" / "hicache.rules.test.yml").read_text())
+    return subprocess.run(
+        [needs("promtool"), "test", "rules", "hicache.rules.test.yml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+
+
 #: Ways to get L2 bandwidth wrong, as edits of the shipped rule: (fault, [(text, replacement), ...]).
 BANDWIDTH_FAULTS = [
     ("timing sources mixed", [("hicache_operation, hicache_timing_source)", "hicache_operation)")]),
@@ -67,19 +84,7 @@ def test_the_bandwidth_unit_tests_catch_a_rule_that_mixes_timings_or_counts_unti
     tmp_path: Path, fault: str, edits: list[tuple[str, str]]
 ) -> None:
     """Bandwidth is bytes of timed transfers / their copy time, per timing source; each wrong rule fails."""
-    broken = RULES.read_text()
-    for old, new in edits:
-        assert old in broken, fault
-        broken = broken.replace(old, new)
-    (tmp_path / "hicache.rules.yml").write_text(broken)
-    (tmp_path / "hicache.rules.test.yml").write_text((CONFIG / "rules" / "hicache.rules.test.yml").read_text())
-    result = subprocess.run(
-        [needs("promtool"), "test", "rules", "hicache.rules.test.yml"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
+    result = unit_tests_of_edited_rules(tmp_path, edits)
     assert result.returncode != 0, fault
     assert "hicache:transfer_bandwidth_bytes_per_second:rate5m" in result.stdout + result.stderr, fault
 
@@ -129,19 +134,7 @@ def test_the_load_versus_recompute_unit_tests_catch_each_wrong_rule(
 ) -> None:
     """Load seconds per token (one rank per TP group, untimed copies scaled in, kv tokens only) and the engines'
     prefill seconds per computed token: each way of getting them wrong fails the unit tests, on that rule."""
-    broken = RULES.read_text()
-    for old, new in edits:
-        assert old in broken, fault
-        broken = broken.replace(old, new)
-    (tmp_path / "hicache.rules.yml").write_text(broken)
-    (tmp_path / "hicache.rules.test.yml").write_text((CONFIG / "rules" / "hicache.rules.test.yml").read_text())
-    result = subprocess.run(
-        [needs("promtool"), "test", "rules", "hicache.rules.test.yml"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
+    result = unit_tests_of_edited_rules(tmp_path, edits)
     assert result.returncode != 0, fault
     assert rule in result.stdout + result.stderr, fault
 
