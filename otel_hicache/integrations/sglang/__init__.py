@@ -80,7 +80,9 @@ Eviction bookkeeping lives on SGLang's own objects: a load back marks the radix 
 (an attribute on the node), and the age of a node comes from its ``last_access_time``, a logical counter, through
 samples of that counter's value and the time (at submissions, admissions and eviction passes; bounded, see
 :data:`.hooks.CLOCK_SAMPLES`): a lower bound, at scheduler-step resolution. A node split after a load back read it
-leaves its new half unmarked. L3 backups are never counted as wasted: SGLang's file backend does not evict.
+leaves its new half unmarked. L3 backups are never counted as wasted: SGLang's file backend does not evict. The
+per-node detail needs SGLang's Python TreeCore (the suite's); with its Rust TreeCore the nodes stay inside Rust: the
+eviction series then count every token with ``hicache.eviction.reused`` unknown, no age and no waste.
 
 Never undercounting silently, on a release that changed: a drop reason this adapter does not know is counted as
 ``other``, and hits under a prefill-adder counter it does not know (``log_*_hit_tokens``) as prefill mode ``other``,

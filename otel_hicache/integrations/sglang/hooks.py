@@ -377,7 +377,9 @@ class HiCacheHooks:
         before = set(ongoing)
         result = self._link_new_acks(wrapped, instance, args, kwargs, req, _LOAD)
         for node_id in ongoing.keys() - before:
-            setattr(instance.tree_core.node_by_id(node_id), _READ, True)
+            node = _node(instance.tree_core, node_id)
+            if node is not None:
+                setattr(node, _READ, True)
         return result
 
     def checkpoint(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -428,14 +430,17 @@ class HiCacheHooks:
         insert that made the node and each later insert of its prefix (a request that reused it), so above 1; under
         write-back SGLang counts no hits: unknown."""
         core = instance.tree_core
-        node = core.node_by_id(args[0] if args else kwargs["node_id"])
+        node = _node(core, args[0] if args else kwargs["node_id"])
         tracker = args[1] if len(args) > 1 else kwargs["tracker"]
         before = _full_tokens(tracker)
         result = wrapped(*args, **kwargs)
         tokens = _full_tokens(tracker) - before
         if tokens > 0:
-            reused = None if core.is_write_back else node.hit_count > 1
-            self._evictions.add(EvictedEntry(tokens, node.last_access_time, reused))
+            if node is None:  # the Rust TreeCore keeps its nodes to itself: no detail
+                self._evictions.add(EvictedEntry(tokens))
+            else:
+                reused = None if core.is_write_back else node.hit_count > 1
+                self._evictions.add(EvictedEntry(tokens, node.last_access_time, reused))
         return result
 
     def evict_host(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -447,7 +452,8 @@ class HiCacheHooks:
             start = time.perf_counter()
             result = wrapped(*args, **kwargs)
         telemetry = self.telemetry
-        freed = sum(entry.tokens for entry in entries)
+        component = args[1] if len(args) > 1 else kwargs.get("component_type")
+        freed = int(result) if component is None or getattr(component, "name", None) == "FULL" else 0
         if freed > 0 and telemetry is not None:
             duration = time.perf_counter() - start
             telemetry.record_eviction(EvictionRecord(Tier.HOST, freed, duration, now_ns(), self._clock.idle(entries)))
@@ -693,6 +699,14 @@ _COUNTER = "_LAST_ACCESS_TIME_COUNTER_FLOAT"
 #: Samples of that counter kept (one per scheduler event that found it moved): the age of a node used before the
 #: oldest sample is counted from that sample (a lower bound).
 CLOCK_SAMPLES = 4096
+
+
+def _node(core: Any, node_id: Any) -> Any:
+    """SGLang's radix node object, or None where the TreeCore has none to give (the Rust one)."""
+    try:
+        return core.node_by_id(node_id)
+    except NotImplementedError:
+        return None
 
 
 def _full_tokens(tracker: Any) -> int:
