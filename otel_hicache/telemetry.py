@@ -597,14 +597,15 @@ class HiCacheTelemetry:
             if self._worker is not None or self._closed:
                 return self._worker is not None
             # The thread holds the telemetry weakly: a telemetry dropped without shutdown() is freed, thread and all.
-            worker = threading.Thread(target=_run, args=(weakref.ref(self), self._wake), daemon=True,
-                                      name=HOST_THREAD_NAME)  # fmt: skip
-            try:
-                worker.start()
-            except RuntimeError as exc:  # can't start new thread (RLIMIT_NPROC, ...)
-                self._warn_export("no_thread", f"no host thread can be started now ({exc}); retrying")
-                return False
-            self._worker = worker
+            worker = self._worker = threading.Thread(target=_run, args=(weakref.ref(self), self._wake), daemon=True,
+                                                     name=HOST_THREAD_NAME)  # fmt: skip
+        try:
+            worker.start()
+        except RuntimeError as exc:  # can't start new thread (RLIMIT_NPROC, ...)
+            with self._lock:
+                self._worker = None
+            self._warn_export("no_thread", f"no host thread can be started now ({exc}); retrying")
+            return False
         return True
 
     def _want_fast(self) -> None:
