@@ -41,27 +41,40 @@ Modules: :mod:`~otel_hicache.semconv` (every engine-neutral name), :mod:`~otel_h
 from typing import TYPE_CHECKING, Any
 
 from otel_hicache.config import ConfigError
-from otel_hicache.records import (
-    DropRecord,
-    EvictedEntry,
-    EvictionRecord,
-    KvWait,
-    PoolUsage,
-    PrefixSplit,
-    TransferFailure,
-    TransferRecord,
-)
 from otel_hicache.semconv import DropReason, PrefillMode, Tier, TimingSource, TransferOperation
-from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import elapsed_seconds, make_timing_event_pair, now_ns
 from otel_hicache.version import __version__
 
 if TYPE_CHECKING:
+    from otel_hicache.records import (
+        DropRecord,
+        EvictedEntry,
+        EvictionRecord,
+        KvWait,
+        PoolUsage,
+        PrefixSplit,
+        TransferFailure,
+        TransferRecord,
+    )
     from otel_hicache.sdk import TelemetrySetup, configure
+    from otel_hicache.telemetry import HiCacheTelemetry
+
+#: Names whose modules import the OTel API, imported on first use: the API reads ``OTEL_PYTHON_CONTEXT`` on import and
+#: logs a traceback for a bad value, and ``import otel_hicache`` (the CLI's first step) must get to check it first.
+_RECORDS = ("DropRecord", "EvictedEntry", "EvictionRecord", "KvWait", "PoolUsage", "PrefixSplit", "TransferFailure",
+            "TransferRecord")  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: importing the OTel SDK reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT and raises a bare ValueError on a bad value.
+    if name in _RECORDS:
+        from otel_hicache import records
+
+        return getattr(records, name)
+    if name == "HiCacheTelemetry":
+        from otel_hicache.telemetry import HiCacheTelemetry
+
+        return HiCacheTelemetry
+    # Importing the OTel SDK reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT and raises a bare ValueError on a bad value.
     # Checked first, so `import otel_hicache` never fails on the environment and a bad value is a ConfigError.
     if name in ("configure", "TelemetrySetup"):
         from otel_hicache.config import check_sdk_import

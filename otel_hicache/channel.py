@@ -9,8 +9,13 @@ Layout (all int64-aligned)::
   transfer (for its span and histogram point) and the histogram points of other records (eviction durations and
   ages, request KV waits: :class:`Points`, several values to a slot) into the next free slots; when the ring is full
   the record's span and points are shed and counted, never waited for. The producer publishes a slot by
-  advancing ``WRITE`` after writing it; the consumer advances ``READ`` after decoding.
-* The **header** also carries the flush handshake (``FLUSH_REQ`` / ``FLUSH_DONE``) and the exporter's state.
+  advancing ``WRITE`` after writing it; the consumer advances ``READ`` after decoding and ``SETTLED`` once what it
+  built from the slots is exported (or counted as lost). A slot is free again only once settled, so an exporter that
+  replaces a dead one builds and sends again what its predecessor took but never settled, under the same span and
+  trace ids (``ID_SEED`` and the slot's sequence number make them), as an OTLP retry would.
+* The **header** also carries the flush handshake (``FLUSH_REQ`` / ``FLUSH_DONE``), the exporter's pid and the spans
+  whose export failed (``EXPORT_DROPPED``, written by the exporter alone and reported in
+  ``otel_hicache.records.dropped`` with the host's own count: see :class:`ChannelCounters`).
 
 Shared (``os.memfd_create``, inherited by the export process as a file descriptor, so nothing is left on disk or in
 ``/dev/shm`` when either side dies) or private (an anonymous mapping, for the in-process consumer).
@@ -29,13 +34,13 @@ from typing import Any, NamedTuple
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache.accumulation import Counters, Layout
+from otel_hicache.accumulation import Counters, Key, Layout
 from otel_hicache.records import TransferRecord
 from otel_hicache.validation import MAX_LABEL_BYTES, Link, Transfer
 
 # header slots
-MAGIC, WRITE, READ, FLUSH_REQ, FLUSH_DONE, EXPORTER_PID, EXPORTER_DONE = range(7)
-HEADER_INTS = 8
+MAGIC, WRITE, READ, SETTLED, FLUSH_REQ, FLUSH_DONE, EXPORTER_PID, EXPORT_DROPPED, ID_SEED = range(9)
+HEADER_INTS = 16
 _MAGIC = 0x4849434143484531  # "HICACHE1"
 
 _KIND_TRANSFER, _KIND_POINTS = 1, 2
@@ -94,6 +99,8 @@ class Channel:
         self.fd = fd
         # The descriptor is closed exactly once: by release_fd()/close(), or when the channel is dropped.
         self._close_fd = None if fd is None else weakref.finalize(self, os.close, fd)
+        if self._close_fd is not None:
+            self._close_fd.atexit = False  # at exit the shutdown still launches from it; the OS closes it after
         # Pages mapped in up front: no page fault on the hot path the first time a ring slot is written.
         populate = getattr(mmap, "MAP_POPULATE", 0)
         if fd is None:  # private: a forked child gets its own copy, never the parent's counts
@@ -102,27 +109,38 @@ class Channel:
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
         self.ints = memoryview(self._map).cast("B").cast("q")
         self.bytes = memoryview(self._map)
-        self.counters = Counters(layout, self.ints)
+        self.counters = ChannelCounters(layout, self.ints)
         self._pool_index = {pool: i for i, pool in enumerate(layout.pools)}
         self._labels: dict[str | None, bytes] = {None: b""}
         if attach:
             if self.ints[MAGIC] != _MAGIC:
                 raise ValueError("not an otel_hicache channel")
         else:
-            self.ints[MAGIC] = _MAGIC
+            self._stamp()
+
+    def _stamp(self) -> None:
+        self.ints[MAGIC] = _MAGIC
+        self.ints[ID_SEED] = int.from_bytes(os.urandom(8), "little") >> 1  # this ring's span and trace ids
 
     def private_copy(self) -> Channel:
         """A private channel with this one's header and counters and a one-slot ring: what a telemetry keeps
         counting into once its shared memory is released."""
         copy = Channel(self.layout, 1, shared=False)
         copy.ints[: self.layout.end] = self.ints[: self.layout.end]
-        copy.ints[WRITE] = copy.ints[READ] = copy.ints[EXPORTER_PID] = 0
+        copy.ints[WRITE] = copy.ints[READ] = copy.ints[SETTLED] = copy.ints[EXPORTER_PID] = 0
+        return copy
+
+    def shared_copy(self) -> Channel:
+        """A shared channel holding everything this private one holds, ring included: a telemetry that could not
+        have shared memory at first moves into it once it can. Raises OSError when it still cannot."""
+        copy = Channel(self.layout, self.capacity, shared=True)
+        copy.bytes[:] = self.bytes
         return copy
 
     def reset(self) -> None:
         """Everything back to zero: counters, gauges, an empty ring (a forked child's private copy)."""
         self.bytes[:] = bytes(len(self.bytes))
-        self.ints[MAGIC] = _MAGIC
+        self._stamp()
 
     def release_fd(self) -> None:
         """Close the descriptor, keep the mapping (needed only to start an exporter)."""
@@ -152,7 +170,7 @@ class Channel:
         """Pack a checked transfer into the next slot; False when the ring is full."""
         ints = self.ints
         write: int = ints[WRITE]
-        if write - ints[READ] >= self.capacity:
+        if write - ints[SETTLED] >= self.capacity:
             return False
         buf, index, labels = self.bytes, self._pool_index, self._labels
         offset = self.ring_offset + (write % self.capacity) * self.slot
@@ -190,7 +208,7 @@ class Channel:
         needed = -(-len(values) // per)
         ints = self.ints
         write: int = ints[WRITE]
-        if write + needed - ints[READ] > self.capacity:
+        if write + needed - ints[SETTLED] > self.capacity:
             return False
         buf, which, where = self.bytes, _POINT_INDEX[instrument], _TIER_INDEX[tier]
         for first in range(0, len(values), per):
@@ -215,13 +233,17 @@ class Channel:
 
     # ------------------------------------------------------------------ consumer (exporter, one thread)
     def take(self, limit: int) -> list[Record]:
-        """Decode and release up to ``limit`` records, oldest first."""
+        """Decode up to ``limit`` records (one a slot), oldest first; their slots are free again at :meth:`settle`."""
         ints = self.ints
         read, write = ints[READ], ints[WRITE]
         end = min(write, read + limit)
         out = [self._decode(self.ring_offset + (i % self.capacity) * self.slot) for i in range(read, end)]
         ints[READ] = end
         return out
+
+    def settle(self) -> None:
+        """Everything taken so far is done with (exported, or counted as lost): its slots are free again."""
+        self.ints[SETTLED] = self.ints[READ]
 
     def _decode(self, offset: int) -> Record:
         buf, pools = self.bytes, self.layout.pools
@@ -263,6 +285,19 @@ class Channel:
             io_backend=_text(backend),
             links=tuple(links),
         )
+
+
+class ChannelCounters(Counters):
+    """The counter table, plus what only the exporter counts: spans whose export failed are reported in
+    ``otel_hicache.records.dropped{transfer}`` with those the host could not queue (one writer per slot: the host
+    writes the table, the exporter ``EXPORT_DROPPED``)."""
+
+    def values(self, name: str) -> dict[Key, int]:
+        out = super().values(name)
+        if name == sc.METRIC_RECORDS_DROPPED and self.ints[EXPORT_DROPPED]:
+            key = (sc.RecordKind.TRANSFER.value,)
+            out[key] = out.get(key, 0) + self.ints[EXPORT_DROPPED]
+        return out
 
 
 def _context(buf: memoryview, at: int) -> SpanContext:

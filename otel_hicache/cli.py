@@ -159,29 +159,35 @@ def demo(
         requests = 200
     if linger and prometheus_port is None:
         raise click.UsageError("--linger only applies with --prometheus-port")
-    torch_device = _pick_device(device)
-    try:
-        from otel_hicache.cache.demo import DEMO_POOLS, run_demo
-    except ImportError as exc:  # a broken install, not a user error
-        raise click.ClickException(f"the reference cache is not available: {exc}") from exc
-
     arguments: dict[str, Any] = dict(
         service_name=service_name,
         endpoint=endpoint,
         protocol=protocol,
         prometheus_port=prometheus_port,
         prometheus_host=prometheus_host,
-        pools=tuple(p.name for p in DEMO_POOLS),  # pre-seeded at 0 so every series exists from the first scrape
         resource_attributes={sc.RESOURCE_ENGINE: sc.Engine.REFERENCE.value},
     )
     try:
-        validate(os.environ, **arguments)  # before the OTel SDK is imported: it reads some variables on import
+        # before anything imports the OTel API or SDK: they read some variables on import and log tracebacks
+        validate(os.environ, **arguments)
         if storage_dir is not None:
             _check_storage_dir(storage_dir)
+    except ConfigError as exc:
+        raise ConfigProblem(str(exc)) from None
+    torch_device = _pick_device(device)
+    try:
+        from otel_hicache.cache.demo import DEMO_POOLS, run_demo
+    except ImportError as exc:  # a broken install, not a user error
+        raise click.ClickException(f"the reference cache is not available: {exc}") from exc
+    # This process is the application: it turns the SDK's own pipeline metrics on (configure() never changes the
+    # environment; the export process turns them on in its own)
+    os.environ.setdefault("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+    try:
         from otel_hicache.sdk import configure
         from otel_hicache.summary import summarize
 
-        setup = configure(**arguments)
+        # pools pre-seeded at 0 so every series exists from the first scrape
+        setup = configure(**arguments, pools=tuple(p.name for p in DEMO_POOLS))
     except ConfigError as exc:
         raise ConfigProblem(str(exc)) from None
 

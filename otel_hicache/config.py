@@ -14,16 +14,17 @@ checked here.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from otel_hicache.semconv import DEFAULT_POOL
+from otel_hicache.semconv import DEFAULT_POOL, MAX_EXTRA_POOLS, OTHER_POOL, POOLS
 
 _logger = logging.getLogger(__name__)
 
@@ -52,6 +53,13 @@ SPAN_LIMITS = (
 SDK_IMPORT_VARIABLES = ("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",)
 _RANKS = ("tp", "pp", "dp")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP header name (RFC 9110 token)
+#: What a header value may hold before percent-decoding: the OTel exporters drop a header with anything else
+#: (``opentelemetry.util.re``'s liberal pattern: printable ASCII but ``"``, ``,``, ``;`` and ``\``).
+_HEADER_VALUE = re.compile(r"[\x20\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*")
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+_HOST_NAME = re.compile(r"[A-Za-z0-9._-]+")
+#: The most bytes a certificate or key file may have (a CA bundle is a few hundred KiB).
+MAX_PEM_BYTES = 16 * 1024 * 1024
 _warned: set[tuple[str, str]] = set()
 
 
@@ -66,8 +74,9 @@ class SignalSettings:
     ``endpoint`` is the URL to hand the exporter: the argument or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (with
     ``/v1/traces`` or ``/v1/metrics`` appended for http/protobuf), else the per-signal variable as is; None when
     nothing names one.
-    ``compression`` is None when unset. Headers, timeouts and certificates are validated here and still read by the
-    OTel exporters themselves from the same variables.
+    ``compression``, ``timeout_s``, ``insecure`` and the certificate paths are None when unset; ``headers`` are the
+    percent-decoded ``name -> value`` pairs (names in lower case, as the OTel exporters send them). Exporters are built
+    from these values, never from the process environment, so ``configure(env=...)`` means what it says.
     """
 
     endpoint: str | None
@@ -75,24 +84,31 @@ class SignalSettings:
     compression: str | None
     timeout_s: float | None
     insecure: bool | None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    certificate: str | None = None
+    client_key: str | None = None
+    client_certificate: str | None = None
 
 
 @dataclass(frozen=True)
 class Settings:
     """Everything ``configure()`` needs, parsed and checked; arguments already won over the environment.
 
-    ``traces_exporter`` is ``otlp``, ``console``, ``none`` or ``embedded`` (no endpoint and no exporter asked for);
-    ``metrics_exporter`` the same plus ``prometheus``. ``prometheus_port`` is set when a scrape endpoint is wanted
-    (argument, or ``OTEL_METRICS_EXPORTER=prometheus``). Times are milliseconds as in the variables, except the
-    OTLP timeouts, which the Python exporters read as seconds.
+    ``traces_exporters`` are the exporters ``OTEL_TRACES_EXPORTER`` lists (``otlp``, ``console``; ``("none",)`` for
+    none), or ``("embedded",)`` when no endpoint and no exporter is asked for; ``metrics_exporters`` the same plus
+    ``prometheus``. ``prometheus_port`` is set when a scrape endpoint is wanted (argument, or
+    ``prometheus`` in ``OTEL_METRICS_EXPORTER``). Times are milliseconds as in the variables, except the OTLP
+    timeouts, which the Python exporters read as seconds. ``span_limits`` holds the limits that are set (None:
+    ``unset``, no limit). ``temporality_preference``, ``histogram_aggregation`` and ``retryable_error_codes`` are
+    None when unset.
     """
 
     disabled: bool
     service_name: str | None
     resource_attributes: Mapping[str, Any]
     ranks: Mapping[str, int]
-    traces_exporter: str
-    metrics_exporter: str
+    traces_exporters: tuple[str, ...]
+    metrics_exporters: tuple[str, ...]
     traces: SignalSettings
     metrics: SignalSettings
     sampler: str
@@ -110,6 +126,9 @@ class Settings:
     pools: tuple[str, ...]
     cardinality_limit: int
     internal_metrics: bool | None  # None: OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED unset
+    temporality_preference: str | None = None
+    histogram_aggregation: str | None = None
+    retryable_error_codes: tuple[str, ...] | None = None
 
 
 def validate(
@@ -123,6 +142,7 @@ def validate(
     ranks: Mapping[str, int] | None = None,
     resource_attributes: Mapping[str, Any] | None = None,
     pools: Sequence[str] = (DEFAULT_POOL,),
+    extra_pools: Sequence[str] = (),
     cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT,
     set_global: bool = False,
 ) -> Settings:
@@ -136,19 +156,18 @@ def validate(
     """
     env = os.environ if env is None else env
     _check_arguments(service_name, endpoint, protocol, prometheus_port, prometheus_host, ranks,
-                     resource_attributes, pools, cardinality_limit, set_global)  # fmt: skip
+                     resource_attributes, pools, extra_pools, cardinality_limit, set_global)  # fmt: skip
 
     disabled = _boolean(env, "OTEL_SDK_DISABLED") or False
-    resource = _key_values(env, "OTEL_RESOURCE_ATTRIBUTES")
+    resource = key_values(env, "OTEL_RESOURCE_ATTRIBUTES")
     env_service = env.get("OTEL_SERVICE_NAME", "").strip() or None
 
-    endpoint = endpoint.strip() if endpoint is not None else None
     traces = _signal(env, "TRACES", endpoint, protocol)
     metrics = _signal(env, "METRICS", endpoint, protocol)
     any_endpoint = traces.endpoint is not None or metrics.endpoint is not None
-    default_kind = "otlp" if any_endpoint else "embedded"
-    traces_kind = _choice(env, "OTEL_TRACES_EXPORTER", EXPORTERS) or default_kind
-    metrics_kind = _choice(env, "OTEL_METRICS_EXPORTER", METRICS_EXPORTERS) or default_kind
+    default_kinds = ("otlp",) if any_endpoint else ("embedded",)
+    traces_kinds = _choices(env, "OTEL_TRACES_EXPORTER", EXPORTERS) or default_kinds
+    metrics_kinds = _choices(env, "OTEL_METRICS_EXPORTER", METRICS_EXPORTERS) or default_kinds
 
     sampler = _choice(env, "OTEL_TRACES_SAMPLER", SAMPLERS) or "parentbased_always_on"
     sampler_arg = None
@@ -162,8 +181,8 @@ def validate(
         raise ConfigError(
             _bad("OTEL_METRICS_EXEMPLAR_FILTER", exemplar_filter, f"one of {', '.join(EXEMPLAR_FILTERS)}")
         )
-    _choice(env, "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", TEMPORALITY_PREFERENCES)
-    _choice(env, "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", HISTOGRAM_AGGREGATIONS)
+    temporality = _choice(env, "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", TEMPORALITY_PREFERENCES)
+    aggregation = _choice(env, "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", HISTOGRAM_AGGREGATIONS)
 
     queue = _integer(env, "OTEL_BSP_MAX_QUEUE_SIZE", low=1)
     batch = _integer(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", low=1)
@@ -175,12 +194,12 @@ def validate(
         )
     delay = _integer(env, "OTEL_BSP_SCHEDULE_DELAY", low=1)
     bsp_timeout = _integer(env, "OTEL_BSP_EXPORT_TIMEOUT", low=0)
-    limits = {name: _span_limit(env, name) for name in SPAN_LIMITS}
-    _retryable_codes(env)
+    limits = {name: _span_limit(env, name) for name in SPAN_LIMITS if name in env}
+    retryable = _retryable_codes(env)
     _entry_point(env, "OTEL_PYTHON_CONTEXT", "opentelemetry_context")
 
     prometheus_port_out = prometheus_port
-    if metrics_kind == "prometheus" and prometheus_port is None:
+    if "prometheus" in metrics_kinds and prometheus_port is None:
         port = _integer(env, "OTEL_EXPORTER_PROMETHEUS_PORT", low=0, high=65535)
         prometheus_port_out = DEFAULT_PROMETHEUS_PORT if port is None else port
         raw_host = _raw(env, "OTEL_EXPORTER_PROMETHEUS_HOST")
@@ -197,8 +216,8 @@ def validate(
         service_name=service_name if service_name is not None else env_service,
         resource_attributes={**resource, **(resource_attributes or {})},
         ranks=dict(ranks or {}),
-        traces_exporter=traces_kind,
-        metrics_exporter=metrics_kind,
+        traces_exporters=traces_kinds,
+        metrics_exporters=metrics_kinds,
         traces=traces,
         metrics=metrics,
         sampler=sampler,
@@ -216,6 +235,9 @@ def validate(
         pools=tuple(pools),
         cardinality_limit=cardinality_limit,
         internal_metrics=_boolean(env, "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED"),
+        temporality_preference=temporality,
+        histogram_aggregation=aggregation,
+        retryable_error_codes=retryable,
     )
 
 
@@ -227,20 +249,34 @@ def check_sdk_import(env: Mapping[str, str] | None = None) -> None:
 
 
 def check_url(value: str, name: str) -> str:
-    """``value`` as an OTLP endpoint URL (``http(s)://host[:port][/path]``), or ConfigError naming ``name``."""
+    """``value`` as an OTLP endpoint URL (``http(s)://host[:port][/path]``, no blanks anywhere: the exporters take
+    the value as it is), or ConfigError naming ``name``."""
     accepted = "an http:// or https:// URL such as http://localhost:4317"
-    text = value.strip()
+    if any(c.isspace() for c in value):
+        raise ConfigError(_bad(name, value, f"{accepted} (no spaces, also none around it)"))
     try:
-        parts = urlsplit(text)
+        parts = urlsplit(value)
         port = parts.port  # raises on a port that is not a number or is out of range
         host = parts.hostname
     except ValueError as exc:
         raise ConfigError(_bad(name, value, f"{accepted} ({exc})")) from None
-    if parts.scheme not in ("http", "https") or not host:
+    if parts.scheme not in ("http", "https") or not host or not _valid_host(host):
         raise ConfigError(_bad(name, value, accepted))
     if port == 0:
         raise ConfigError(_bad(name, value, f"{accepted} (port 1-65535)"))
-    return text
+    return value
+
+
+def _valid_host(host: str) -> bool:
+    """A DNS name or IPv4 address (letters, digits, ``.``, ``-``, ``_``), or an IPv6 address (urlsplit took off its
+    brackets)."""
+    if ":" not in host:
+        return _HOST_NAME.fullmatch(host) is not None
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- arguments
@@ -253,6 +289,7 @@ def _check_arguments(
     ranks: Any,
     resource_attributes: Any,
     pools: Any,
+    extra_pools: Any,
     cardinality_limit: Any,
     set_global: Any,
 ) -> None:
@@ -292,6 +329,17 @@ def _check_arguments(
     for pool in pools:
         if not isinstance(pool, str) or not pool:
             raise ConfigError(f"pools: {pool!r} is not a non-empty string")
+    if isinstance(extra_pools, str) or not isinstance(extra_pools, Sequence):
+        raise ConfigError(f"extra_pools={extra_pools!r}: use a sequence of pool names such as ('swa_extra',)")
+    for pool in extra_pools:
+        if not isinstance(pool, str) or not pool:
+            raise ConfigError(f"extra_pools: {pool!r} is not a non-empty string")
+    extra = {pool for pool in extra_pools if pool not in POOLS and pool != OTHER_POOL}
+    if len(extra) > MAX_EXTRA_POOLS:
+        raise ConfigError(
+            f"extra_pools: {len(extra)} names beyond the standard pools; use at most {MAX_EXTRA_POOLS} (each is a "
+            "series of every metric)"
+        )
     if not _is_int(cardinality_limit, 1, None):
         raise ConfigError(f"cardinality_limit={cardinality_limit!r}: use an integer >= 1")
     if not isinstance(set_global, bool):
@@ -331,6 +379,22 @@ def _choice(env: Mapping[str, str], name: str, allowed: Sequence[str]) -> str | 
     if value not in allowed:
         raise ConfigError(f"{name}={raw!r} is not supported; use one of: {', '.join(allowed)}")
     return value
+
+
+def _choices(env: Mapping[str, str], name: str, allowed: Sequence[str]) -> tuple[str, ...] | None:
+    """A comma-separated list of exporters, as the specification allows (``otlp,console``); ``none`` stands alone."""
+    raw = _raw(env, name)
+    if raw is None:
+        return None
+    values = tuple(dict.fromkeys(v.strip().lower() for v in raw.split(",") if v.strip()))
+    unknown = [v for v in values if v not in allowed]
+    if unknown or not values:
+        raise ConfigError(
+            f"{name}={raw!r} is not supported; use one of: {', '.join(allowed)} (or a comma-separated list)"
+        )
+    if "none" in values and len(values) > 1:
+        raise ConfigError(f"{name}={raw!r} lists none with other exporters; use none alone, or leave it out")
+    return values
 
 
 def _number(
@@ -399,7 +463,7 @@ def _boolean(env: Mapping[str, str], name: str) -> bool | None:
     return value == "true"
 
 
-def _key_values(env: Mapping[str, str], name: str) -> dict[str, str]:
+def key_values(env: Mapping[str, str], name: str) -> dict[str, str]:
     """``key=value,key2=value2`` (values percent-encoded), as OTEL_RESOURCE_ATTRIBUTES and the headers use."""
     raw = env.get(name, "")
     out: dict[str, str] = {}
@@ -414,33 +478,62 @@ def _key_values(env: Mapping[str, str], name: str) -> dict[str, str]:
     return out
 
 
-def _headers(env: Mapping[str, str], name: str) -> None:
-    for key in _key_values(env, name):
-        if not _TOKEN.fullmatch(key):
+def _headers(env: Mapping[str, str], name: str) -> dict[str, str]:
+    """The headers, percent-decoded, names in lower case; a header the OTLP exporters would drop (or could not send)
+    is refused, so that an auth header never silently disappears."""
+    accepted = "comma-separated name=value pairs such as api-key=secret,x-tenant=a (values percent-encoded)"
+    for member in env.get(name, "").split(","):
+        key, sep, raw_value = member.partition("=")
+        if sep and not _HEADER_VALUE.fullmatch(raw_value.strip()):
             raise ConfigError(
-                f"{name}: header name {key!r} is not valid; use comma-separated name=value pairs such as "
-                "api-key=secret,x-tenant=a (values percent-encoded)"
+                f"{name}: the value of header {unquote(key).strip()!r} holds characters the OTLP exporters drop "
+                f"(non-ASCII, '\"', ';', '\\'); percent-encode them ({accepted})"
             )
+    headers = {}
+    for key, value in key_values(env, name).items():
+        if not _TOKEN.fullmatch(key):
+            raise ConfigError(f"{name}: header name {key!r} is not valid; use {accepted}")
+        if not _PRINTABLE_ASCII.fullmatch(value):
+            raise ConfigError(
+                f"{name}: the value of header {key!r} is not printable ASCII once percent-decoded (gRPC and HTTP "
+                "cannot send it); use printable ASCII characters"
+            )
+        headers[key.lower()] = value
+    return headers
 
 
-def _file(env: Mapping[str, str], name: str) -> None:
+def _file(env: Mapping[str, str], name: str) -> str | None:
+    """A certificate or key variable: the path of a readable regular file holding a PEM block."""
     path = _raw(env, name)
-    if path is not None and not os.access(path, os.R_OK):
-        raise ConfigError(f"{name}={path!r}: no readable file there; use the path of a PEM file")
+    if path is None:
+        return None
+    accepted = "use the path of a PEM file"
+    if not os.path.isfile(path):  # a directory passes os.access, and the exporter then raises
+        raise ConfigError(f"{name}={path!r}: no readable file there; {accepted}")
+    try:
+        with open(path, "rb") as handle:
+            content = handle.read(MAX_PEM_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{name}={path!r}: cannot be read ({exc.strerror or exc}); {accepted}") from None
+    if len(content) > MAX_PEM_BYTES or b"-----BEGIN " not in content:
+        raise ConfigError(f"{name}={path!r}: no PEM block (-----BEGIN ...) in it; {accepted}")
+    return path
 
 
 def _signal(env: Mapping[str, str], signal: str, endpoint: str | None, protocol: str | None) -> SignalSettings:
     """One signal's OTLP settings: ``OTEL_EXPORTER_OTLP_<SIGNAL>_X`` wins over ``OTEL_EXPORTER_OTLP_X``."""
     general, specific = "OTEL_EXPORTER_OTLP_", f"OTEL_EXPORTER_OTLP_{signal}_"
+    headers: dict[str, dict[str, str]] = {}
+    files: dict[str, str | None] = {}
     for prefix in (general, specific):  # both checked: the exporters read both
         raw = _raw(env, prefix + "ENDPOINT")
         if raw is not None:
             check_url(raw, prefix + "ENDPOINT")
         _choice(env, prefix + "PROTOCOL", PROTOCOLS)
         _boolean(env, prefix + "INSECURE")
-        _headers(env, prefix + "HEADERS")
+        headers[prefix] = _headers(env, prefix + "HEADERS")
         for suffix in ("CERTIFICATE", "CLIENT_CERTIFICATE", "CLIENT_KEY"):
-            _file(env, prefix + suffix)
+            files[prefix + suffix] = _file(env, prefix + suffix)
         _number(env, prefix + "TIMEOUT", "seconds > 0 (the Python OTLP exporters read seconds)", low=0.0,
                 low_open=True)  # fmt: skip
 
@@ -469,17 +562,26 @@ def _signal(env: Mapping[str, str], signal: str, endpoint: str | None, protocol:
     specific_endpoint = _raw(env, specific + "ENDPOINT")
     base = endpoint if endpoint is not None else (None if specific_endpoint else _raw(env, general + "ENDPOINT"))
     if base is not None:
-        resolved: str | None = base.strip()
+        resolved: str | None = base
         if chosen_protocol == "http/protobuf":
-            resolved = f"{base.strip().rstrip('/')}/v1/{signal.lower()}"
+            resolved = f"{base.rstrip('/')}/v1/{signal.lower()}"
     else:
-        resolved = specific_endpoint.strip() if specific_endpoint else None
+        resolved = specific_endpoint
+    headers_name = first("HEADERS")[0]
+
+    def path(suffix: str) -> str | None:
+        return files[specific + suffix] or files[general + suffix]
+
     return SignalSettings(
         endpoint=resolved,
         protocol=chosen_protocol,
         compression=compression,
         timeout_s=timeout,
         insecure=insecure,
+        headers=headers[specific] if headers_name == specific + "HEADERS" else headers[general],
+        certificate=path("CERTIFICATE"),
+        client_key=path("CLIENT_KEY"),
+        client_certificate=path("CLIENT_CERTIFICATE"),
     )
 
 
@@ -495,14 +597,15 @@ def _entry_point(env: Mapping[str, str], name: str, group: str) -> None:
         raise ConfigError(_bad(name, raw, f"one of the installed {group} entry points: {', '.join(installed)}"))
 
 
-def _retryable_codes(env: Mapping[str, str]) -> None:
+def _retryable_codes(env: Mapping[str, str]) -> tuple[str, ...] | None:
     name = "OTEL_PYTHON_EXPORTER_OTLP_GRPC_RETRYABLE_ERROR_CODES"
     raw = _raw(env, name)
     if raw is None:
-        return
+        return None
     from grpc import StatusCode  # only when set: grpc is heavy to import
 
-    names = [code.strip().upper() for code in raw.split(",") if code.strip()]
+    names = tuple(code.strip().upper() for code in raw.split(",") if code.strip())
     unknown = [code for code in names if code not in StatusCode.__members__]
     if unknown:
         raise ConfigError(_bad(name, raw, "comma-separated gRPC status code names such as UNAVAILABLE,ABORTED"))
+    return names

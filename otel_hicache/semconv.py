@@ -293,7 +293,7 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
                    (ATTR_RECORD_KIND, ATTR_PROBLEM)),
     InstrumentSpec(METRIC_RECORDS_DROPPED, "counter", UNIT_RECORD,
                    "Records whose span and histogram point were lost (the export ring was full, or the telemetry was "
-                   "shut down); their counters are still exact.", (ATTR_RECORD_KIND,)),
+                   "shut down), and spans whose export failed; their counters are still exact.", (ATTR_RECORD_KIND,)),
     InstrumentSpec(METRIC_ENGINE_MISMATCH, "counter", UNIT_MISMATCH,
                    "Self-checks in which an instrument's total disagreed with the engine's own counter in the same "
                    "process (an adapter that undercounts after an engine change).", (ATTR_INSTRUMENT,)),

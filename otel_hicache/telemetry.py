@@ -25,6 +25,11 @@ What the host process pays (the scheduler thread is latency-critical, and every 
   ``otel_hicache.records.dropped`` while its counters stay exact.
 * ``fork``: a child starts from zero, as its own process (its own table, ring and exporter, its own
   ``process.pid``); the parent stays exact; no lock is inherited held.
+* Over OTLP the export process exists from the telemetry's construction on (``configure()``), and a host thread looks
+  after it about once a second (``TEND_INTERVAL_S``; also at :meth:`~HiCacheTelemetry.flush` and shutdown): it relays
+  the exporter's log lines and replaces an exporter that died. What cannot be had - a thread, a process, file
+  descriptors, shared memory - never raises into the caller: the telemetry counts on (in private memory until shared
+  memory can be had, then moved there), logs once and tries again with back-off.
 """
 
 from __future__ import annotations
@@ -80,6 +85,11 @@ HOST_THREAD_NAME = "otel-hicache-host"
 POOL_INTERVAL_S = 1.0
 #: How long a read of the counters (snapshot, collection) waits for deferred records to be counted.
 SETTLE_TIMEOUT_S = 1.0
+#: How often the host thread tends the export process (relays its log lines, replaces it if it died), and how long
+#: the host thread sleeps when it has nothing else to do.
+TEND_INTERVAL_S = 1.0
+#: How long after a failed start (no thread could be had) the next record tries again.
+RETRY_START_S = 1.0
 
 PoolSource = Callable[[], Iterable[PoolUsage]]
 #: An engine self-check: the names of our instruments whose totals disagree with the engine's own counters.
@@ -90,14 +100,13 @@ _T = TypeVar("_T")
 class Consumer(Protocol):
     """Where the ring's records become spans: a thread of this process, or the export process."""
 
-    def start(self) -> None: ...
+    def tend(self, channel: Channel, now: bool = False) -> None: ...  # look after it (start it, replace it if dead)
     def drain(self, budget_ns: int) -> bool: ...  # host thread's share of the work; True if more is waiting
     def flush(self, timeout_s: float) -> bool: ...
-    def close(self, timeout_s: float) -> bool: ...
+    def close(self, channel: Channel, timeout_s: float) -> bool: ...
     def before_fork(self) -> bool: ...  # hold what a forked child must not inherit mid-use; True if held
     def after_fork_in_parent(self, held: bool) -> None: ...
     def after_fork_in_child(self, channel: Channel) -> Consumer: ...
-    def revive(self) -> None: ...  # the ring is full: restart the consumer if it died
 
 
 class HiCacheTelemetry:
@@ -113,7 +122,8 @@ class HiCacheTelemetry:
         spans: create one span per merged transfer (metrics are unaffected either way).
         token_metrics: report the instruments counted in tokens; ``False`` on all but one rank of a tensor-parallel
             group, where token flows are logical (the same on every rank) and a sum across ranks would multiply them.
-        consumer: a factory for another consumer of the ring (``configure()`` passes the export process).
+        consumer: a factory for another consumer of the ring (``configure()`` passes the export process), started
+            here: the telemetry's shared memory and its consumer exist when the constructor returns.
     """
 
     def __init__(
@@ -151,9 +161,10 @@ class HiCacheTelemetry:
         self._closed = False
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()  # the counter table and the ring's producer side
+        self._starting = threading.Lock()  # one thread starts the consumer; the others go on
         self._wake = threading.Event()
         self._shared = consumer is not None  # the export process maps the channel
-        self._channel = Channel(self._layout, max_queue, shared=self._shared)
+        self._channel = self._new_channel()
         self._bind(self._channel)
         if consumer is None:
             before_collect = weakref.WeakMethod(self._before_collect)  # the provider must not keep us alive
@@ -163,9 +174,25 @@ class HiCacheTelemetry:
             )  # fmt: skip
         else:
             self._consumer = consumer(self._channel)
-        self._consumer_started = False
-        self._next_start_attempt = self._next_liveness_check = 0.0
+        self._consumer_started = False  # consumer tended and host thread running
+        self._next_start_attempt = 0.0
+        self._fast = not self._shared  # the host thread ticks every DEFERRED_TICK_S (else TEND_INTERVAL_S)
+        self._fast_ready = False  # ... and it runs
         _LIVE.add(self)
+        if self._shared:
+            self._start()
+
+    def _new_channel(self) -> Channel:
+        """Shared memory for the export process, or (none to be had: no fds, no memfd) private memory for now."""
+        if self._shared:
+            try:
+                return Channel(self._layout, self._max_queue, shared=True)
+            except OSError as exc:
+                self._warn_export(
+                    "no_shared_memory",
+                    f"no shared memory for the export process now ({exc!r}); counting in private memory, retrying",
+                )
+        return Channel(self._layout, self._max_queue, shared=False)
 
     def _bind(self, channel: Channel) -> None:
         """Cache what the hot path indexes (slot tables, the int64 view) for ``channel``."""
@@ -293,11 +320,8 @@ class HiCacheTelemetry:
             self._span_lost(RecordKind.TRANSFER)
 
     def _span_lost(self, kind: RecordKind) -> None:
-        """A record counted but not queued for its span: say so once, and make sure a consumer is alive."""
+        """A record counted but not queued for its span: say so once."""
         self._warn_once(kind, "not_queued", "span queue full (or telemetry shut down); spans are dropped and counted")
-        if not self._closed and time.monotonic() >= self._next_liveness_check:
-            self._next_liveness_check = time.monotonic() + 1.0
-            self._consumer.revive()
 
     def record_transfer_deferred(self, build: Build, payload: Any) -> None:
         """Hand over the makings of a transfer record; ``build(payload)`` runs later, off the calling thread.
@@ -314,8 +338,8 @@ class HiCacheTelemetry:
             self._reject(RecordKind.TRANSFER, Problem.QUEUE_FULL)
             return
         self._deferred.put_numbered(build, payload)  # any thread may call this
-        if self._worker is None:
-            self._start_worker()
+        if not self._fast_ready:
+            self._want_fast()
 
     def deferred_queue(self, build: Build) -> DeferredQueue:
         """A queue of this producer's own for the tightest hot paths (SGLang's ack queues): the producer appends
@@ -325,8 +349,7 @@ class HiCacheTelemetry:
         raises."""
         queue = DeferredQueue(build, self._max_queue)
         self._queues.append(queue)
-        if self._worker is None:
-            self._start_worker()
+        self._want_fast()
         return queue
 
     def record_failure(self, failure: TransferFailure) -> None:
@@ -434,8 +457,7 @@ class HiCacheTelemetry:
         """Register a callable read on a host thread about once a second (never on the hot path), and before each
         flush, for pool occupancy. A source that raises or returns bad entries is skipped and counted."""
         self._pool_sources.append(source)
-        if self._worker is None:
-            self._start_worker()
+        self._want_fast()
 
     def remove_pool_usage_source(self, source: PoolSource) -> None:
         if source in self._pool_sources:
@@ -478,8 +500,7 @@ class HiCacheTelemetry:
         self._run_engine_checks()
         if not self._consumer_started:
             self._start()
-        if not self._consumer_started:
-            return False
+        self._tend(now=True)
         return self._consumer.flush(max(0.0, deadline - time.monotonic())) and settled
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -494,8 +515,9 @@ class HiCacheTelemetry:
         if worker is not None and worker is not threading.current_thread():
             worker.join(max(0.0, deadline - time.monotonic()) / 2)
         self._shed_deferred()
-        if self._consumer_started:
-            self._consumer.close(max(0.0, deadline - time.monotonic()))
+        if self._shared and self._channel.fd is None:
+            self._share()  # one more try: the last window goes out only from shared memory
+        self._consumer.close(self._channel, max(0.0, deadline - time.monotonic()))
         if self._shared:
             self._release_shared_memory()
         _LIVE.discard(self)
@@ -538,38 +560,80 @@ class HiCacheTelemetry:
         except Exception:  # the last line of defence: never raise into the host
             pass
 
+    def _warn_export(self, problem: str, message: str) -> None:
+        if ("export", problem) not in self._warned:
+            self._warned.add(("export", problem))
+            _log.warning("otel_hicache: %s (logged once)", message)
+
     def _warn_once(self, kind: str, problem: str, message: str) -> None:
         if (kind, problem) in self._warned:
             return
         self._warned.add((kind, problem))
         _log.warning("otel_hicache: %s record: %s (%s). Further occurrences are only counted.", kind, message, problem)
 
-    def _start(self) -> None:
-        """Start the consumer on first use; a failure (no file descriptors left, ...) is logged once and retried
-        at most once a second, never raised into the caller."""
+    def _start(self) -> bool:
+        """Start the consumer (the export process: synchronously) and the host thread that looks after it; True once
+        both run. A failure is logged once and retried at most once a second (the export process retries its own
+        launches with back-off), never raised into the caller; a thread that is starting them meanwhile is not
+        waited for."""
         now = time.monotonic()
-        with self._lock:
-            if self._consumer_started or self._closed or now < self._next_start_attempt:
-                return
-            self._consumer_started = True
+        if self._consumer_started or self._closed or now < self._next_start_attempt:
+            return self._consumer_started
+        if not self._starting.acquire(blocking=False):
+            return False
         try:
-            self._consumer.start()
-        except Exception as exc:
-            self._consumer_started = False
-            self._next_start_attempt = now + 1.0
-            self._warn_once("export", "start_failed", f"the consumer could not start ({exc!r}); retrying")
-            return
-        if isinstance(self._consumer, InProcessConsumer) and self._worker is None:
-            self._start_worker()
+            if not self._consumer_started:
+                self._tend(now=True)
+                if self._start_worker():
+                    self._consumer_started = True
+                else:
+                    self._next_start_attempt = now + RETRY_START_S
+            return self._consumer_started
+        finally:
+            self._starting.release()
 
-    def _start_worker(self) -> None:
+    def _start_worker(self) -> bool:
         with self._lock:
             if self._worker is not None or self._closed:
-                return
+                return self._worker is not None
             # The thread holds the telemetry weakly: a telemetry dropped without shutdown() is freed, thread and all.
-            self._worker = threading.Thread(target=_run, args=(weakref.ref(self), self._wake), daemon=True,
-                                            name=HOST_THREAD_NAME)  # fmt: skip
-        self._worker.start()
+            worker = self._worker = threading.Thread(target=_run, args=(weakref.ref(self), self._wake), daemon=True,
+                                                     name=HOST_THREAD_NAME)  # fmt: skip
+        try:
+            worker.start()
+        except RuntimeError as exc:  # can't start new thread (RLIMIT_NPROC, ...)
+            with self._lock:
+                self._worker = None
+            self._warn_export("no_thread", f"no host thread can be started now ({exc}); retrying")
+            return False
+        return True
+
+    def _want_fast(self) -> None:
+        """Deferred records or pool sources: the host thread ticks every DEFERRED_TICK_S from now on."""
+        self._fast = True
+        if self._start():
+            self._fast_ready = True
+            self._wake.set()
+
+    def _tend(self, now: bool = False) -> None:
+        """Look after the consumer (host thread, flush, start): move into shared memory once it can be had, relay the
+        export process's lines, replace it if it died (``now``: whatever its back-off says)."""
+        if self._closed:
+            return
+        if self._shared and self._channel.fd is None:
+            self._share()
+        self._consumer.tend(self._channel, now)
+
+    def _share(self) -> None:
+        """Move the counters and the ring into shared memory (they started in private memory: none could be had)."""
+        with self._lock:
+            try:
+                shared = self._channel.shared_copy()
+            except OSError:
+                return  # still none: the next tend tries again
+            old, self._channel = self._channel, shared
+            self._bind(shared)
+        old.close()
 
     def _work(self, state: dict[str, float]) -> bool:
         """One round of the host thread: builds deferred records, reads pool sources, and (in-process) emits spans,
@@ -582,7 +646,11 @@ class HiCacheTelemetry:
             self._read_pools()
             self._run_engine_checks()
             busy = True
-        if self._consumer_started and (now >= state["drain"] or self._channel.pending() > self._max_queue // 2):
+        if self._shared:  # the export process drains the ring itself
+            if now >= state["tend"]:
+                state["tend"] = now + TEND_INTERVAL_S
+                self._tend()
+        elif self._consumer_started and (now >= state["drain"] or self._channel.pending() > self._max_queue // 2):
             if not self._consumer.drain(SLICE_NS):
                 state["drain"] = now + self._interval_s  # drained: back in one flush interval
             busy = True
@@ -710,22 +778,25 @@ class HiCacheTelemetry:
     def _after_fork_in_child(self) -> None:
         """Start from zero, as a new process: new lock, table and ring, no threads; the parent's are untouched."""
         self._lock = threading.Lock()
+        self._starting = threading.Lock()
         self._wake = threading.Event()
         self._checking = threading.Lock()
         self._worker = None
+        self._fast_ready = False
         self._building = False
         for queue in self._queues:
             queue.discard()  # the parent's entries: built and counted by the parent
         self._consumer_started = False
+        self._next_start_attempt = 0.0
         if not self._shared:  # a private mapping: the child's own copy
             self._channel.reset()
         else:  # the parent's shared memory: never written by the child
             self._channel.close()
-            self._channel = Channel(self._layout, self._max_queue, shared=True)
+            self._channel = self._new_channel()
             self._bind(self._channel)
         self._consumer = self._consumer.after_fork_in_child(self._channel)
         if self._pool_sources or self._engine_checks or len(self._queues) > 1:  # nothing else would start it
-            self._start_worker()
+            self._fast_ready = self._start_worker()  # its first tend launches the child's exporter
 
 
 class InProcessConsumer:
@@ -746,8 +817,8 @@ class InProcessConsumer:
                                 token_metrics=token_metrics, before_collect=before_collect)  # fmt: skip
         self._emit_lock = threading.Lock()  # one consumer at a time: the ring has a single consumer side
 
-    def start(self) -> None:
-        return None
+    def tend(self, channel: Channel, now: bool = False) -> None:
+        return None  # this process is alive by definition
 
     def drain(self, budget_ns: int) -> bool:
         if not self._channel.pending() or not self._emit_lock.acquire(blocking=False):
@@ -777,10 +848,7 @@ class InProcessConsumer:
             self._emit_lock.release()
         return not self._channel.pending()
 
-    def revive(self) -> None:
-        return None  # this process is alive by definition
-
-    def close(self, timeout_s: float) -> bool:
+    def close(self, channel: Channel, timeout_s: float) -> bool:
         return self.flush(timeout_s)
 
     def before_fork(self) -> bool:
@@ -800,6 +868,7 @@ class InProcessConsumer:
                 self._emitter.emit(record)
             except Exception:
                 _log.debug("otel_hicache: emitting a record failed", exc_info=True)
+        self._channel.settle()
 
 
 def _nothing() -> None:
@@ -813,7 +882,7 @@ def _build_deferred_call(entry: tuple[int, Callable[[Any], TransferRecord | None
 
 def _run(ref: weakref.ref[HiCacheTelemetry], wake: threading.Event) -> None:
     """The host thread's loop; it pauses PAUSE_S after a busy round so the scheduler thread gets the GIL back."""
-    state = {"pools": 0.0, "drain": 0.0}
+    state = {"pools": 0.0, "drain": 0.0, "tend": 0.0}
     busy, tick = False, DEFERRED_TICK_S
     while True:
         if busy:
@@ -824,7 +893,7 @@ def _run(ref: weakref.ref[HiCacheTelemetry], wake: threading.Event) -> None:
         telemetry = ref()
         if telemetry is None or telemetry._closed or telemetry._wake is not wake:  # gone, shut down, or forked
             return
-        tick = min(telemetry._interval_s, DEFERRED_TICK_S)
+        tick = min(telemetry._interval_s, DEFERRED_TICK_S) if telemetry._fast else TEND_INTERVAL_S
         busy = telemetry._work(state)
         del telemetry
 

@@ -265,7 +265,9 @@ class ProcessSink:
 
     Given ``telemetry``, that one. Otherwise it is built by the first :meth:`get` (the process's first event, when the
     engine knows the process's ranks): from the ``OTEL_*`` environment with :func:`otel_hicache.sdk.configure`
-    (``from_environment``; its providers become the global ones where none is installed, if ``install_globals``), or
+    (``from_environment``; its meter provider becomes the global one where none is installed, if ``install_globals``:
+    the engine's own series routed over OTel need it; no tracer provider is installed, so that over OTLP the process
+    runs no span processor of ours for nothing: an engine that traces requests installs its own first), or
     on ``providers`` (the global ones where ``None``). A build that fails is logged once and not retried: the process
     then reports nothing.
     """
@@ -320,17 +322,14 @@ class ProcessSink:
             extra_pools=self._extra_pools,
             token_metrics=ranks.token_metrics,
         )
-        if self._install_globals:
-            if _unset(trace.get_tracer_provider()):
-                trace.set_tracer_provider(setup.tracer_provider)
-            if _unset(metrics.get_meter_provider()):
-                metrics.set_meter_provider(setup.meter_provider)
+        if self._install_globals and _unset(metrics.get_meter_provider()):
+            metrics.set_meter_provider(setup.meter_provider)
         return setup.telemetry
 
 
 def _unset(provider: Any) -> bool:
     """Whether ``provider`` is OTel's placeholder (nothing installed yet)."""
-    return type(provider).__name__ in ("ProxyTracerProvider", "_ProxyMeterProvider")
+    return type(provider).__name__ == "_ProxyMeterProvider"
 
 
 # ---------------------------------------------------------------------------------------------- the instrumentor

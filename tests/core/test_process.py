@@ -10,86 +10,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from otel_hicache import semconv as sc
-from otel_hicache.records import TransferRecord
 from otel_hicache.sdk import configure
-from otel_hicache.semconv import TimingSource, TransferOperation
-from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
-
-SPAN = sc.SPAN_NAMES[TransferOperation.BACKUP]
-
-
-def record(tokens: int = 3) -> TransferRecord:
-    return TransferRecord(TransferOperation.BACKUP, {"kv": tokens}, tokens * 64, 10, 20, 0.001, TimingSource.HOST_CLOCK)
-
-
-def tokens_by_pid(rx: OtlpReceiver) -> dict[int, int]:
-    """The latest cumulative ``hicache.transfer.tokens{backup, kv}`` of each process (``process.pid``)."""
-    latest: dict[int, int] = {}
-    for request in list(rx.metric_requests):
-        for rm in request.resource_metrics:
-            pid = int(attributes(rm.resource.attributes)["process.pid"])
-            for sm in rm.scope_metrics:
-                for metric in sm.metrics:
-                    if metric.name != sc.METRIC_TRANSFER_TOKENS:
-                        continue
-                    for point in metric.sum.data_points:
-                        attrs = attributes(point.attributes)
-                        if attrs == {sc.ATTR_OPERATION: "backup", sc.ATTR_POOL: "kv"}:
-                            latest[pid] = point.as_int
-    return latest
-
-
-def spans_by_pid(rx: OtlpReceiver) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for request in list(rx.trace_requests):
-        for rs in request.resource_spans:
-            pid = int(attributes(rs.resource.attributes)["process.pid"])
-            out[pid] = out.get(pid, 0) + sum(1 for ss in rs.scope_spans for s in ss.spans if s.name == SPAN)
-    return out
-
-
-@pytest.fixture
-def black_hole() -> Iterator[str]:
-    """A collector that accepts connections and never answers (the worst kind: no error, no progress)."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    stop.set()
-    thread.join()
-    for conn in held:
-        conn.close()
-    server.close()
-
-
-def closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+from otel_hicache.testing.otlp_receiver import OtlpReceiver
+from tests.core.support import alive, clean_env, closed_port, record, spans_by_pid, tokens_by_pid
 
 
 # ---------------------------------------------------------------------- fork
@@ -124,7 +56,7 @@ def test_fork_storm_children_report_from_zero_as_their_own_process_and_the_paren
             children.append(pid)
             time.sleep(0.05)
         deadline = time.monotonic() + 120
-        codes = {}
+        codes: dict[int, int] = {}
         while len(codes) < len(children) and time.monotonic() < deadline:
             for pid in children:
                 if pid not in codes:
@@ -220,9 +152,8 @@ HOST = textwrap.dedent(
 
 
 def start_host(endpoint: str, protocol: str, n: int, then: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     host = subprocess.Popen([sys.executable, "-c", HOST, endpoint, protocol, str(n), then], stdout=subprocess.PIPE,
-                            text=True, env=env)  # fmt: skip
+                            text=True, env=clean_env())  # fmt: skip
     assert host.stdout is not None and host.stdout.readline().strip() == "recorded"
     return host
 
@@ -250,38 +181,6 @@ def test_a_killed_host_still_delivers_everything_it_counted(sig: signal.Signals)
         # the export process saw the host go and exported the last window: every count, every span
         assert rx.wait_for(lambda: tokens_by_pid(rx) == {host.pid: 1500}, 30), tokens_by_pid(rx)
         assert rx.wait_for(lambda: spans_by_pid(rx) == {host.pid: 500}, 30)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def test_a_killed_export_process_is_replaced_and_nothing_goes_unaccounted() -> None:
-    with OtlpReceiver() as rx:
-        setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
-        telemetry = setup.telemetry
-        telemetry.record_transfer(record())
-        assert setup.telemetry.flush(30) and telemetry.export_pid is not None
-        first = telemetry.export_pid
-        os.kill(first, signal.SIGKILL)
-        n = 20_000  # far more than the ring holds while nobody reads it
-        for _ in range(n):
-            telemetry.record_transfer(record())
-        deadline = time.monotonic() + 60
-        while telemetry.export_pid in (None, first) and time.monotonic() < deadline:
-            telemetry.record_transfer(record())  # a full ring checks (once a second) that the exporter lives
-            n += 1
-            time.sleep(0.01)
-        assert telemetry.export_pid not in (None, first)
-        assert telemetry.flush(30)
-        dropped = telemetry.snapshot()[sc.METRIC_RECORDS_DROPPED].get(("transfer",), 0)
-        assert rx.wait_for(lambda: tokens_by_pid(rx).get(os.getpid()) == 3 * (n + 1), 30)  # counters exact
-        assert rx.wait_for(lambda: spans_by_pid(rx).get(os.getpid(), 0) + dropped == n + 1, 30)
-        setup.shutdown()
 
 
 def test_shutdown_releases_the_shared_memory_and_a_closed_telemetry_starts_nothing() -> None:
@@ -319,42 +218,11 @@ FLUSH_THEN_EXIT = textwrap.dedent(
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_an_export_process_stuck_on_a_black_hole_still_ends_soon_after_its_host(protocol: str, black_hole: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     host = subprocess.run([sys.executable, "-c", FLUSH_THEN_EXIT, black_hole, protocol], capture_output=True,
-                          text=True, env=env, timeout=60)  # fmt: skip
+                          text=True, env=clean_env(), timeout=60)  # fmt: skip
     assert host.returncode == 0, host.stderr
     exporter = int(host.stdout.split()[-1])
     deadline = time.monotonic() + 15  # its last export gets 5 s, whatever the collector does (was 82 s)
     while alive(exporter) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(exporter)
-
-
-def test_running_out_of_file_descriptors_at_the_first_record_never_raises_and_export_resumes() -> None:
-    script = textwrap.dedent(
-        """
-        import os, resource, sys
-        from otel_hicache import configure
-        from otel_hicache.records import TransferRecord
-        setup = configure(endpoint=sys.argv[1], protocol="grpc")
-        r = TransferRecord("backup", {"kv": 3}, 192, 10, 20, 0.001, "host_clock")
-        held = []
-        try:
-            while True:
-                held.append(os.open("/dev/null", os.O_RDONLY))
-        except OSError:
-            pass
-        setup.telemetry.record_transfer(r)  # the export process cannot start now: no pipe to be had
-        for fd in held:
-            os.close(fd)
-        import time; time.sleep(1.1)
-        setup.telemetry.record_transfer(r)  # retried: starts now
-        print(setup.telemetry.flush(30), flush=True)
-        """
-    )
-    with OtlpReceiver() as rx:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        host = subprocess.run([sys.executable, "-c", script, rx.grpc_endpoint], capture_output=True, text=True,
-                              env=env, timeout=60)  # fmt: skip
-        assert host.returncode == 0 and host.stdout.strip() == "True", host.stderr
-        assert rx.wait_for(lambda: list(tokens_by_pid(rx).values()) == [6], 30)

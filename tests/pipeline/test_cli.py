@@ -143,6 +143,8 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
     (["--storage-dir", "/etc/hostname"], {}, "Invalid value for '--storage-dir'"),
     ([], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://[::1' is not valid"),
     ([], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:99999"}, "OTEL_EXPORTER_OTLP_ENDPOINT="),
+    ([], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317 "}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://collector:4317 ' is not valid"),
+    ([], {"OTEL_PYTHON_CONTEXT": "nope"}, "OTEL_PYTHON_CONTEXT='nope' is not valid"),
     ([], {"OTEL_EXPORTER_OTLP_PROTOCOL": "udp"}, "OTEL_EXPORTER_OTLP_PROTOCOL='udp' is not supported"),
     ([], {"OTEL_EXPORTER_OTLP_HEADERS": "api key=1"}, "OTEL_EXPORTER_OTLP_HEADERS: header name 'api key'"),
     ([], {"OTEL_EXPORTER_OTLP_TIMEOUT": "-3"}, "OTEL_EXPORTER_OTLP_TIMEOUT='-3' is out of range"),
@@ -262,6 +264,7 @@ def test_prometheus_port_serves_the_run_while_lingering() -> None:
         # the run is over (summary printed) but the endpoint still answers with its final totals
         assert process.stderr is not None
         deadline = time.monotonic() + 60
+        assert process.stderr is not None
         while "Serving Prometheus metrics" not in (line := process.stderr.readline()) and time.monotonic() < deadline:
             assert line, "the CLI ended without lingering"
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()

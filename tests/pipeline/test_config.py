@@ -25,6 +25,7 @@ from otel_hicache.config import SPAN_LIMITS, ConfigError, validate
 from otel_hicache.testing import free_port
 
 MISSING_FILE = "/nonexistent/otel-hicache/ca.pem"
+NOT_PEM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__init__.py")  # a readable file, no certificate
 
 #: (variables, the text the message must contain: the variable's name and the accepted form)
 BAD_ENV: list[tuple[dict[str, str], str]] = [
@@ -34,9 +35,15 @@ BAD_ENV: list[tuple[dict[str, str], str]] = [
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4317"}, "OTEL_EXPORTER_OTLP_ENDPOINT='localhost:4317'"),
     ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "ftp://collector:4317"}, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
     ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://:4318/v1/metrics"}, "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:4317 "}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://localhost:4317 ' is not valid; use an http:// or https:// URL such as http://localhost:4317 (no spaces"),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://local host:4317"}, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT='http://local host:4317' is not valid"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://coll{ector}:4317"}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://coll{ector}:4317' is not valid"),
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported; use one of: grpc, http/protobuf"),
     ({"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "udp"}, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL='udp'"),
     ({"OTEL_EXPORTER_OTLP_HEADERS": "api key=secret"}, "OTEL_EXPORTER_OTLP_HEADERS: header name 'api key' is not valid"),
+    ({"OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer s\u00e9same"}, "OTEL_EXPORTER_OTLP_HEADERS: the value of header 'authorization' holds characters the OTLP exporters drop"),
+    ({"OTEL_EXPORTER_OTLP_METRICS_HEADERS": 'x-tenant="a"'}, "OTEL_EXPORTER_OTLP_METRICS_HEADERS: the value of header 'x-tenant' holds characters"),
+    ({"OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=caf%C3%A9"}, "OTEL_EXPORTER_OTLP_HEADERS: the value of header 'x-tenant' is not printable ASCII once percent-decoded"),
     ({"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "no-value-here"}, "OTEL_EXPORTER_OTLP_TRACES_HEADERS='no-value-here' is not valid; use comma-separated key=value"),
     ({"OTEL_EXPORTER_OTLP_TIMEOUT": "-1"}, "OTEL_EXPORTER_OTLP_TIMEOUT='-1' is out of range; use seconds > 0"),
     ({"OTEL_EXPORTER_OTLP_TIMEOUT": "0"}, "OTEL_EXPORTER_OTLP_TIMEOUT='0' is out of range"),
@@ -47,6 +54,8 @@ BAD_ENV: list[tuple[dict[str, str], str]] = [
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "zstd"}, "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION='zstd' is not supported by the http/protobuf exporter; use one of: gzip, deflate, none"),
     ({"OTEL_EXPORTER_OTLP_CERTIFICATE": MISSING_FILE}, "OTEL_EXPORTER_OTLP_CERTIFICATE='/nonexistent/otel-hicache/ca.pem': no readable file there"),
     ({"OTEL_EXPORTER_OTLP_CLIENT_KEY": MISSING_FILE}, "OTEL_EXPORTER_OTLP_CLIENT_KEY="),
+    ({"OTEL_EXPORTER_OTLP_CERTIFICATE": "/tmp"}, "OTEL_EXPORTER_OTLP_CERTIFICATE='/tmp': no readable file there; use the path of a PEM file"),
+    ({"OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE": NOT_PEM}, f"OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE={NOT_PEM!r}: no PEM block (-----BEGIN ...) in it"),
     ({"OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE": MISSING_FILE}, "OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE="),
     ({"OTEL_TRACES_SAMPLER": "sometimes"}, "OTEL_TRACES_SAMPLER='sometimes' is not supported; use one of: always_on"),
     ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "OTEL_TRACES_SAMPLER_ARG='2' is out of range; use a probability between 0 and 1"),
@@ -69,6 +78,8 @@ BAD_ENV: list[tuple[dict[str, str], str]] = [
     ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment"}, "OTEL_RESOURCE_ATTRIBUTES='deployment.environment' is not valid; use comma-separated key=value pairs"),
     ({"OTEL_RESOURCE_ATTRIBUTES": "a=1,=2"}, "OTEL_RESOURCE_ATTRIBUTES='a=1,=2'"),
     ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin' is not supported; use one of: otlp, console, none"),
+    ({"OTEL_TRACES_EXPORTER": "otlp,zipkin"}, "OTEL_TRACES_EXPORTER='otlp,zipkin' is not supported; use one of: otlp, console, none (or a comma-separated list)"),
+    ({"OTEL_METRICS_EXPORTER": "none,otlp"}, "OTEL_METRICS_EXPORTER='none,otlp' lists none with other exporters; use none alone"),
     ({"OTEL_METRICS_EXPORTER": "statsd"}, "OTEL_METRICS_EXPORTER='statsd' is not supported; use one of: otlp, console, none, prometheus"),
     ({"OTEL_EXPORTER_PROMETHEUS_PORT": "99999"}, "OTEL_EXPORTER_PROMETHEUS_PORT='99999' is not valid; use an integer 0-65535"),
     ({"OTEL_EXPORTER_PROMETHEUS_PORT": "9464.5"}, "OTEL_EXPORTER_PROMETHEUS_PORT='9464.5'"),
@@ -94,6 +105,9 @@ BAD_ARGUMENTS: list[tuple[dict[str, Any], str]] = [
     ({"resource_attributes": {"k": object}}, "resource_attributes['k']="),
     ({"pools": "kv"}, "pools='kv': use a non-empty sequence of pool names"),
     ({"pools": ()}, "pools=(): use a non-empty sequence"),
+    ({"extra_pools": [f"pool{i}" for i in range(100)]}, "extra_pools: 100 names beyond the standard pools; use at most 64"),
+    ({"extra_pools": "swa_extra"}, "extra_pools='swa_extra': use a sequence of pool names"),
+    ({"endpoint": "http://localhost:4317 "}, "endpoint='http://localhost:4317 ' is not valid"),
     ({"cardinality_limit": 0}, "cardinality_limit=0: use an integer >= 1"),
     ({"cardinality_limit": 1.5}, "cardinality_limit=1.5"),
     ({"set_global": "yes"}, "set_global='yes': use True or False"),
@@ -210,7 +224,7 @@ def test_settings_resolve_arguments_over_per_signal_over_general_variables() -> 
     assert settings.metrics.endpoint == "https://metrics.example:443/custom"
     assert settings.metrics.protocol == "http/protobuf" and settings.metrics.compression == "gzip"
     assert (settings.traces.timeout_s, settings.metrics.timeout_s) == (5.0, 2.5)
-    assert settings.traces_exporter == settings.metrics_exporter == "otlp"
+    assert settings.traces_exporters == settings.metrics_exporters == ("otlp",)
     assert (settings.sampler, settings.sampler_arg) == ("parentbased_traceidratio", 0.25)
     assert settings.metric_export_interval_ms == 5000.0
     assert settings.span_limits["OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"] is None
@@ -226,12 +240,14 @@ def test_settings_resolve_arguments_over_per_signal_over_general_variables() -> 
 
 def test_no_endpoint_means_embedded_and_prometheus_takes_its_host_and_port_from_the_environment() -> None:
     embedded = validate({})
-    assert (embedded.traces_exporter, embedded.metrics_exporter, embedded.prometheus_port) == ("embedded",) * 2 + (
+    assert (embedded.traces_exporters, embedded.metrics_exporters, embedded.prometheus_port) == (
+        ("embedded",),
+        ("embedded",),
         None,
     )
     prom = validate({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "0.0.0.0",
                      "OTEL_EXPORTER_PROMETHEUS_PORT": "0"})  # fmt: skip
-    assert (prom.metrics_exporter, prom.prometheus_host, prom.prometheus_port) == ("prometheus", "0.0.0.0", 0)
+    assert (prom.metrics_exporters, prom.prometheus_host, prom.prometheus_port) == (("prometheus",), "0.0.0.0", 0)
     assert validate({"OTEL_METRICS_EXPORTER": "prometheus"}).prometheus_port == 9464
 
 

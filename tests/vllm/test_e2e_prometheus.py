@@ -61,6 +61,8 @@ def live_vllm(prometheus: Prometheus) -> Iterator[Prometheus]:
             "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,
             "OTEL_BSP_SCHEDULE_DELAY": "200",
             "OTEL_SERVICE_NAME": "vllm-e2e",
+            # the SDK's own span-processor metrics for the otel_sdk rule: in-process, the operator turns them on
+            "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "true",
         }
         process = subprocess.Popen(
             [sys.executable, "-m", "tests.vllm.offload_app", "--seconds", "90"],

@@ -78,7 +78,8 @@ class SGLangHiCacheInstrumentor(EngineInstrumentor):
     _engine_id = sc.Engine.SGLANG
     _extra_pools = SGLANG_POOLS
     _from_environment = True
-    # SGLang's stat loggers and its --enable-trace use the global providers: ours where none is installed.
+    # SGLang's stat loggers use the global meter provider: ours where none is installed (its --enable-trace sets a
+    # tracer provider of its own in process_tracing_init, before HiCache starts).
     _install_globals = True
     _hooks: HiCacheHooks | None = None
 
