@@ -295,7 +295,7 @@ class NaiveOtelReporter(Reporter):
                 sc.ATTR_TOKENS: ack.num_tokens,
                 sc.ATTR_BYTES: ack.num_bytes,
                 sc.ATTR_NODES: len(ack.node_ids),
-                **{f"{sc.ATTR_TOKENS}.{p}": n for p, n in by_pool.items()},
+                **{f"{sc.ATTR_POOL_TOKENS}.{p}": n for p, n in by_pool.items()},
             },
         )
         for pool, n in by_pool.items():

@@ -89,8 +89,8 @@ class Emitter:
         out = []
         for tier, pool, used, limit in self._counters.pools():
             base = {sc.ATTR_TIER: tier, sc.ATTR_POOL: pool}
-            out.append(Observation(used, {**base, sc.ATTR_POOL_STATE: sc.PoolState.USED.value}))
-            out.append(Observation(limit - used, {**base, sc.ATTR_POOL_STATE: sc.PoolState.FREE.value}))
+            out.append(Observation(used, {**base, sc.ATTR_SLOT_STATE: sc.SlotState.USED.value}))
+            out.append(Observation(limit - used, {**base, sc.ATTR_SLOT_STATE: sc.SlotState.FREE.value}))
         return out
 
     def _limit(self) -> list[Observation]:
@@ -158,10 +158,10 @@ def transfer_span_attributes(record: TransferRecord) -> dict[str, Any]:
         sc.ATTR_TIMING_SOURCE: record.timing_source.value,
     }
     for pool, n in record.tokens_by_pool.items():
-        attrs[f"{sc.ATTR_TOKENS}.{pool}"] = n
+        attrs[f"{sc.ATTR_POOL_TOKENS}.{pool}"] = n
     if record.bytes_by_pool is not None:
         for pool, n in record.bytes_by_pool.items():
-            attrs[f"{sc.ATTR_BYTES}.{pool}"] = n
+            attrs[f"{sc.ATTR_POOL_BYTES}.{pool}"] = n
     if record.copy_duration_s is not None and not math.isnan(record.copy_duration_s):
         attrs[sc.ATTR_COPY_DURATION] = record.copy_duration_s
     if record.write_policy is not None:

@@ -65,7 +65,7 @@ class WritePolicy(_StrEnum):
     WRITE_BACK = "write_back"
 
 
-class PoolState(_StrEnum):
+class SlotState(_StrEnum):
     USED = "used"
     FREE = "free"
 
@@ -141,15 +141,21 @@ ATTR_POOL: Final = "hicache.pool"
 ATTR_TIER: Final = "hicache.tier"
 ATTR_DROP_REASON: Final = "hicache.drop.reason"
 ATTR_PREFILL_MODE: Final = "hicache.prefill.mode"
-ATTR_POOL_STATE: Final = "hicache.pool.state"
+#: Whether a token slot of a pool is used or free (``hicache.pool.usage``).
+#: Whether a token slot of a pool is used or free (``hicache.pool.usage``).
+ATTR_SLOT_STATE: Final = "hicache.slot.state"
 ATTR_ERROR_TYPE: Final = "error.type"
 ATTR_TIMING_SOURCE: Final = "hicache.timing.source"
 #: Whether an evicted entry served any hit while in the tier it was evicted from (a boolean; absent: unknown).
 ATTR_EVICTION_REUSED: Final = "hicache.eviction.reused"
 
 # span-only attributes
-ATTR_TOKENS: Final = "hicache.transfer.tokens"  # total logical tokens; per pool: f"{ATTR_TOKENS}.{pool}"
-ATTR_BYTES: Final = "hicache.transfer.bytes"  # total bytes; per pool (when known): f"{ATTR_BYTES}.{pool}"
+ATTR_TOKENS: Final = "hicache.transfer.token_count"  # total logical tokens
+ATTR_BYTES: Final = "hicache.transfer.byte_count"  # total bytes
+#: Per pool, as templates: f"{ATTR_POOL_TOKENS}.{pool}" (logical tokens), f"{ATTR_POOL_BYTES}.{pool}" (bytes, where the
+#: producer knows them). No name is also a namespace: the totals have names of their own.
+ATTR_POOL_TOKENS: Final = "hicache.transfer.tokens"
+ATTR_POOL_BYTES: Final = "hicache.transfer.bytes"
 ATTR_MERGED_OPS: Final = "hicache.transfer.merged_ops"
 ATTR_NODES: Final = "hicache.transfer.nodes"
 ATTR_COPY_DURATION: Final = "hicache.transfer.copy_duration"  # seconds, device-measured copy time
@@ -282,7 +288,7 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
                    "Prefill tokens by how they were obtained: computed (input) or hit in a tier.",
                    (ATTR_PREFILL_MODE,)),
     InstrumentSpec(METRIC_POOL_USAGE, "observable_up_down_counter", UNIT_TOKEN,
-                   "Token slots of a pool in use or free, per tier.", (ATTR_TIER, ATTR_POOL, ATTR_POOL_STATE)),
+                   "Token slots of a pool in use or free, per tier.", (ATTR_TIER, ATTR_POOL, ATTR_SLOT_STATE)),
     InstrumentSpec(METRIC_POOL_LIMIT, "observable_up_down_counter", UNIT_TOKEN,
                    "Capacity of a pool in token slots, per tier.", (ATTR_TIER, ATTR_POOL)),
     InstrumentSpec(METRIC_RECORDS_REJECTED, "counter", UNIT_RECORD,

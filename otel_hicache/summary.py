@@ -297,7 +297,7 @@ def _read_metrics(data: MetricsData | None) -> tuple[_Counters, dict[str, list[H
                     for p in points:
                         a = p.attributes or {}
                         key = (str(a.get(sc.ATTR_TIER)), str(a.get(sc.ATTR_POOL)))
-                        usage.setdefault(key, {})[str(a.get(sc.ATTR_POOL_STATE))] = int(getattr(p, "value", 0))
+                        usage.setdefault(key, {})[str(a.get(sc.ATTR_SLOT_STATE))] = int(getattr(p, "value", 0))
                 elif name == sc.METRIC_POOL_LIMIT:
                     for p in points:
                         a = p.attributes or {}
@@ -309,7 +309,7 @@ def _read_metrics(data: MetricsData | None) -> tuple[_Counters, dict[str, list[H
                         a = p.attributes or {}
                         values[tuple(a.get(k) for k in keys)] = int(getattr(p, "value", 0))
     pools = [
-        PoolStats(tier, pool, usage.get((tier, pool), {}).get(sc.PoolState.USED.value, 0), limit)
+        PoolStats(tier, pool, usage.get((tier, pool), {}).get(sc.SlotState.USED.value, 0), limit)
         for (tier, pool), limit in sorted(limits.items())
     ]
     return counters, histograms, pools

@@ -94,10 +94,10 @@ def test_pool_usage_is_reported_per_tier_and_pool(csdk, tmp_path) -> None:
         cache.release(cache.admit(list(range(33))))  # 8 pages cached, one token not
         cache.flush()
         used = csdk.value(
-            sc.METRIC_POOL_USAGE, {sc.ATTR_TIER: "device", sc.ATTR_POOL: "kv", sc.ATTR_POOL_STATE: "used"}
+            sc.METRIC_POOL_USAGE, {sc.ATTR_TIER: "device", sc.ATTR_POOL: "kv", sc.ATTR_SLOT_STATE: "used"}
         )
         host_used = csdk.value(
-            sc.METRIC_POOL_USAGE, {sc.ATTR_TIER: "host", sc.ATTR_POOL: "kv", sc.ATTR_POOL_STATE: "used"}
+            sc.METRIC_POOL_USAGE, {sc.ATTR_TIER: "host", sc.ATTR_POOL: "kv", sc.ATTR_SLOT_STATE: "used"}
         )
         limit = csdk.value(sc.METRIC_POOL_LIMIT, {sc.ATTR_TIER: "device", sc.ATTR_POOL: "mamba"})
         assert (used, host_used, limit) == (32, 32, 32)

@@ -31,8 +31,8 @@ def test_pending_writes_merge_into_one_transfer_counted_like_sglang(csdk) -> Non
     [span] = csdk.spans()
     attrs = span.attributes
     assert attrs[sc.ATTR_MERGED_OPS] == 2 and attrs[sc.ATTR_NODES] == 2
-    assert attrs[f"{sc.ATTR_TOKENS}.kv"] == 20 and attrs[f"{sc.ATTR_TOKENS}.mamba"] == 1
-    assert f"{sc.ATTR_TOKENS}.draft" not in attrs  # the sidecar rides kv's indices: bytes only
+    assert attrs[f"{sc.ATTR_POOL_TOKENS}.kv"] == 20 and attrs[f"{sc.ATTR_POOL_TOKENS}.mamba"] == 1
+    assert f"{sc.ATTR_POOL_TOKENS}.draft" not in attrs  # the sidecar rides kv's indices: bytes only
     kv, draft, mamba = (device.pools[p].spec.bytes_per_slot for p in ("kv", "draft", "mamba"))
     assert attrs[sc.ATTR_BYTES] == 20 * kv + 20 * draft + 1 * mamba
     for value, hvalue in ((a, ha), (b, hb)):

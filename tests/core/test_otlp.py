@@ -50,8 +50,8 @@ def test_spans_arrive_with_the_records_timestamps_attributes_and_links(
         assert span.start_time_unix_nano == record.submit_time_ns
         assert span.end_time_unix_nano == record.complete_time_ns
         got = attributes(span.attributes)
-        assert got["hicache.transfer.tokens"] == sum(record.tokens_by_pool.values())
-        assert got["hicache.transfer.bytes"] == record.num_bytes
+        assert got["hicache.transfer.token_count"] == sum(record.tokens_by_pool.values())
+        assert got["hicache.transfer.byte_count"] == record.num_bytes
         assert got["hicache.transfer.copy_duration"] == pytest.approx(record.copy_duration_s)
         assert got["hicache.timing.source"] == record.timing_source.value
         for pool, n in record.tokens_by_pool.items():

@@ -161,8 +161,8 @@ class TestMetricPoints:
         assert sdk.value(sc.METRIC_TRANSFER_FAILURES, {**fail, sc.ATTR_ERROR_TYPE: "host_pool_full"}) == 1
         assert sdk.value(sc.METRIC_TRANSFER_FAILURES, {**fail, sc.ATTR_ERROR_TYPE: "_OTHER"}) == 1  # closed set
         host = {sc.ATTR_TIER: "host", sc.ATTR_POOL: "kv"}
-        assert sdk.value(sc.METRIC_POOL_USAGE, {**host, sc.ATTR_POOL_STATE: "used"}) == 300
-        assert sdk.value(sc.METRIC_POOL_USAGE, {**host, sc.ATTR_POOL_STATE: "free"}) == 700
+        assert sdk.value(sc.METRIC_POOL_USAGE, {**host, sc.ATTR_SLOT_STATE: "used"}) == 300
+        assert sdk.value(sc.METRIC_POOL_USAGE, {**host, sc.ATTR_SLOT_STATE: "free"}) == 700
         assert sdk.value(sc.METRIC_POOL_LIMIT, host) == 1000
         assert sdk.value(sc.METRIC_POOL_LIMIT, {sc.ATTR_TIER: "device", sc.ATTR_POOL: "kv"}) == 10
 
@@ -187,10 +187,10 @@ class TestSpans:
         assert span.parent is None
         assert dict(span.attributes) == {
             "hicache.operation": "backup",
-            "hicache.transfer.tokens": 20,
+            "hicache.transfer.token_count": 20,
             "hicache.transfer.tokens.kv": 16,
             "hicache.transfer.tokens.swa": 4,
-            "hicache.transfer.bytes": 5000,
+            "hicache.transfer.byte_count": 5000,
             "hicache.transfer.bytes.kv": 4096,
             "hicache.transfer.bytes.swa": 904,
             "hicache.transfer.merged_ops": 4,

@@ -133,7 +133,7 @@ def test_numpy_and_torch_scalars_become_plain_ints_and_floats(sdk: Sdk, caplog: 
     assert kv(sdk) == 1600
     assert len(spans) == 100
     attrs = spans[0].attributes
-    for name in ("hicache.transfer.tokens.kv", "hicache.transfer.tokens.swa", "hicache.transfer.bytes",
+    for name in ("hicache.transfer.tokens.kv", "hicache.transfer.tokens.swa", "hicache.transfer.byte_count",
                  "hicache.transfer.merged_ops", "hicache.transfer.nodes"):  # fmt: skip
         assert type(attrs[name]) is int, name
     assert type(attrs["hicache.transfer.copy_duration"]) is float

@@ -52,7 +52,7 @@ TOKENS_PER_MINUTE: list[tuple[str, float]] = [
     ('hicache_eviction_tokens_total{hicache_tier="host",hicache_eviction_reused="false"}', 150),
 ]
 GAUGES: list[tuple[str, float]] = [
-    ('hicache_pool_usage{hicache_tier="host",hicache_pool="kv",hicache_pool_state="used"}', 500),
+    ('hicache_pool_usage{hicache_tier="host",hicache_pool="kv",hicache_slot_state="used"}', 500),
     ('hicache_pool_limit{hicache_tier="host",hicache_pool="kv"}', 1000),
     ('target_info{hicache_engine="sglang"}', 1),  # every process: the per-engine rules join it
 ]

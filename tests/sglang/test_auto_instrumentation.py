@@ -69,7 +69,7 @@ def test_opentelemetry_instrument_exports_hicache_spans_and_metrics_over_otlp(cp
         span = spans[sc.SPAN_NAMES[op]]
         attrs = attributes(span.attributes)
         assert attrs[sc.ATTR_TOKENS] == TOKENS
-        assert attrs[f"{sc.ATTR_TOKENS}.kv"] == TOKENS
+        assert attrs[f"{sc.ATTR_POOL_TOKENS}.kv"] == TOKENS
         assert attrs[sc.ATTR_BYTES] > 0
 
     assert tokens is not None and size is not None, "no hicache metrics arrived"

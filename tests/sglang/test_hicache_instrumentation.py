@@ -176,7 +176,7 @@ def test_round_trip_matches_sglang_metrics_and_acks(policy: str, instrumented: S
         sc.SPAN_NAMES[sc.TransferOperation.LOAD_BACK]
     )
     from_spans = sorted(
-        (sorted((k.rsplit(".", 1)[1], v) for k, v in s.attributes.items() if k.startswith(f"{sc.ATTR_TOKENS}.")),
+        (sorted((k.rsplit(".", 1)[1], v) for k, v in s.attributes.items() if k.startswith(f"{sc.ATTR_POOL_TOKENS}.")),
          s.attributes[sc.ATTR_BYTES], s.attributes[sc.ATTR_NODES])
         for s in spans
     )  # fmt: skip

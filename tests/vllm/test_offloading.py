@@ -62,11 +62,11 @@ def test_spans_carry_each_transfers_bytes_blocks_and_tokens(instrumented: Sdk) -
     assert [s.attributes["hicache.transfer.nodes"] for s in loads] == [3, 5]
     for span in backups + loads:
         blocks = span.attributes["hicache.transfer.nodes"]
-        assert span.attributes["hicache.transfer.bytes"] == blocks * page
+        assert span.attributes["hicache.transfer.byte_count"] == blocks * page
         assert span.attributes["hicache.transfer.tokens.kv"] == blocks * support.BLOCK_SIZE
         assert span.start_time <= span.end_time
-    assert sum(s.attributes["hicache.transfer.bytes"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
-    assert sum(s.attributes["hicache.transfer.bytes"] for s in loads) == vllm["vllm:kv_offload_load_bytes"]
+    assert sum(s.attributes["hicache.transfer.byte_count"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
+    assert sum(s.attributes["hicache.transfer.byte_count"] for s in loads) == vllm["vllm:kv_offload_load_bytes"]
     assert sum(s.attributes["hicache.transfer.copy_duration"] for s in backups) == pytest.approx(
         vllm["vllm:kv_offload_store_time"], rel=1e-9
     )
@@ -79,7 +79,7 @@ def test_cpu_tier_occupancy_is_the_managers_chunks_in_tokens(instrumented: Sdk) 
     engine.store("a", [0, 1, 2])
     host = {"hicache.tier": "host", "hicache.pool": "kv"}
     assert instrumented.value("hicache.pool.limit", host) == 8 * support.BLOCK_SIZE
-    assert instrumented.value("hicache.pool.usage", {**host, "hicache.pool.state": "used"}) == 3 * support.BLOCK_SIZE
+    assert instrumented.value("hicache.pool.usage", {**host, "hicache.slot.state": "used"}) == 3 * support.BLOCK_SIZE
 
 
 def test_allocation_failures_are_failed_backups_counted_as_vllm_counts_them(instrumented: Sdk) -> None:
@@ -126,7 +126,7 @@ def test_a_store_flushed_at_preemption_is_one_transfer_as_vllm_counts_it(instrum
     vllm = engine.vllm_stats()
     backups = instrumented.spans("hicache.backup")
     assert [s.attributes["hicache.transfer.nodes"] for s in backups] == [2, 1]
-    assert sum(s.attributes["hicache.transfer.bytes"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
+    assert sum(s.attributes["hicache.transfer.byte_count"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
     assert len(backups) == vllm["vllm:kv_offload_store_size_count"]
 
 

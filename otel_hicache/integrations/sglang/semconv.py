@@ -49,7 +49,7 @@ SGLANG_SERIES: Final[tuple[tuple[str, str], ...]] = (
     ("sglang:evicted_tokens_total", 'hicache_eviction_tokens_total{hicache_tier="device"}'),
     ("sglang:eviction_duration_seconds", 'hicache_eviction_duration_seconds{hicache_tier="device"}'),
     ("sglang:prefill_effective_tokens_total{mode}", "hicache_prefill_tokens_total{hicache_prefill_mode}"),
-    ("sglang:hicache_host_used_tokens", 'hicache_pool_usage{hicache_tier="host",hicache_pool_state="used"}'),
+    ("sglang:hicache_host_used_tokens", 'hicache_pool_usage{hicache_tier="host",hicache_slot_state="used"}'),
     ("sglang:hicache_host_total_tokens", 'hicache_pool_limit{hicache_tier="host"}'),
     ("sglang:prefetched_tokens_total",
      'hicache_transfer_tokens_total{hicache_operation="storage_prefetch"}'),
