@@ -9,6 +9,8 @@ through the scheduler role's ``update_connector_output``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from otel_hicache.testing.sdk import Sdk
@@ -163,3 +165,31 @@ def test_instrumented_with_providers_one_tensor_parallel_rank_reports_tokens(ran
         instrumentor.uninstrument()
         instrumentor.telemetry.shutdown()  # type: ignore[union-attr]
         meter_provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    "groups", [(support.ATTENTION, support.SLIDING), (support.SLIDING, support.ATTENTION)], ids=["full", "sliding"]
+)
+def test_a_hybrid_models_tokens_count_every_kv_group_in_its_pool_whatever_vllms_group_order(
+    instrumented: Sdk, groups: tuple[Any, ...]
+) -> None:
+    """A prompt of five blocks: the full-attention group offloads all five, the sliding-window group the two in its
+    window. vLLM orders the groups by each layer type's first appearance, so either may come first."""
+    engine = support.engine(groups=groups)
+    full, window = [0, 1, 2, 3, 4], [5, 6]
+    keys = engine.store("a", *([full, window] if groups[0] is support.ATTENTION else [window, full]))
+    assert keys is not None
+    back = [[20, 21, 22, 23, 24], [30, 31]]
+    engine.load("a", keys, *(back if groups[0] is support.ATTENTION else back[::-1]))
+    vllm = engine.vllm_stats()
+
+    tokens = instrumented.counters()["hicache.transfer.tokens"]
+    for operation in ("backup", "load_back"):
+        assert tokens[(operation, "kv")] == 5 * support.BLOCK_SIZE
+        assert tokens[(operation, "swa")] == 2 * support.BLOCK_SIZE
+    for span in instrumented.spans("hicache.backup") + instrumented.spans("hicache.load_back"):
+        assert span.attributes["hicache.transfer.tokens.kv"] == 5 * support.BLOCK_SIZE
+        assert span.attributes["hicache.transfer.tokens.swa"] == 2 * support.BLOCK_SIZE
+        assert span.attributes["hicache.transfer.nodes"] == 7  # blocks of every group
+    assert size(instrumented, BACKUP) == vllm["vllm:kv_offload_store_bytes"] == 7 * support.ATTENTION.page_size_bytes
+    assert size(instrumented, LOAD_BACK) == vllm["vllm:kv_offload_load_bytes"]

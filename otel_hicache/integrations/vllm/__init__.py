@@ -20,11 +20,15 @@ kv`` / ``handle_preemptions`` /               next step submits them)
 ``start_kv_transfers``
 ``OffloadingConnectorWorker.get_finished``    one ``hicache.backup`` (``GPU_to_CPU``) / ``hicache.load_back``
 with ``DirectionalTransferStats.record`` and  (``CPU_to_GPU``) span and transfer record per finished ``TransferResult``:
-``OffloadingWorkerMetadata.mark_completed``   its bytes and time exactly as vLLM counts them, tokens = the first KV
-                                              group's GPU blocks x tokens per block (pool ``kv``), blocks as
-                                              ``hicache.transfer.nodes``; timing source ``cuda_event`` for vLLM's
-                                              ``CPUOffloadingWorker`` (device events), ``host_clock`` for another
-                                              worker, ``none`` for a result without a time
+``OffloadingWorkerMetadata.mark_completed``   its bytes and time exactly as vLLM counts them; tokens = the token
+                                              positions it covers, per pool by KV cache group kind (``kv`` full
+                                              attention, ``swa`` sliding window, ...: each group's GPU blocks x its
+                                              tokens per block, the largest group of a kind); the blocks of every
+                                              group as ``hicache.transfer.nodes``; timing source ``cuda_event`` for
+                                              vLLM's ``CPUOffloadingWorker`` (device events), ``host_clock`` for
+                                              another worker. A result without size and time (third-party workers),
+                                              which vLLM does not count: a transfer of its tokens and blocks with no
+                                              bytes and no duration (timing source ``none``)
 ``OffloadingConnectorStats.increase_counter`` ``hicache.transfer.failures{operation=backup, error.type=host_pool_full}``
 (``vllm:kv_offload_allocation_failure``)      per failed CPU-tier allocation
 ``CPUOffloadingSpec.get_manager``             ``hicache.pool.usage`` / ``.limit`` of tier ``host``: chunks holding KV

@@ -8,13 +8,21 @@ Scheduler side (the engine-core process): ``OffloadingConnectorStats.increase_co
 counter, and the CPU tier's occupancy and evictions, from the ``CPUOffloadingManager`` that
 ``CPUOffloadingSpec.get_manager`` built.
 
-Failure rule: if a wrapper's own code fails it logs once per hook and vLLM's call goes on untouched; an exception
-raised by vLLM's method propagates exactly as without instrumentation. Nothing here synchronises a device: the
-duration is the one vLLM's worker measured.
+Tokens of a transfer are the logical token positions it covers, per pool by the kind of each KV cache group
+(:data:`~otel_hicache.integrations.vllm.semconv.GROUP_POOLS`: full attention ``kv``, sliding window ``swa``, ...): a
+group's tokens are its GPU blocks in the transfer x its tokens per block, and a pool's tokens are the largest of its
+groups' (vLLM splits the layers of one kind into several groups of equal size, which cover the same positions), never
+their sum. Bytes, time and the block count (``hicache.transfer.nodes``) cover every group.
+
+Failure rule: our code never raises into vLLM. If a wrapper's own code fails it logs once per hook and vLLM's call
+goes on untouched; vLLM's method is called exactly once and an exception it raises propagates unchanged. What vLLM
+had counted before it raised part-way through ``get_finished`` is still reported. Nothing here synchronises a device:
+the duration is the one vLLM's worker measured.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
@@ -22,7 +30,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE
+from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE, group_pool
 from otel_hicache.records import EvictionRecord, PoolUsage, TransferFailure, TransferRecord
 from otel_hicache.semconv import DEFAULT_POOL, Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
@@ -57,19 +65,40 @@ class FixedSink:
 
 class _Pending(NamedTuple):
     operation: TransferOperation
-    tokens: int  # first KV group's GPU blocks x its tokens per block
+    tokens_by_pool: dict[str, int]  # per pool: the largest of its groups' GPU blocks x tokens per block
     blocks: int  # GPU blocks over all KV groups
     submit_ns: int
 
 
+class _Group(NamedTuple):
+    """One KV cache group the connector offloads, in the order of a GPU spec's ``group_sizes``."""
+
+    pool: str
+    tokens_per_block: int
+
+
+class _Measured(NamedTuple):
+    """The arguments of one ``DirectionalTransferStats.record`` call vLLM completed (read at report time)."""
+
+    args: tuple
+    kwargs: dict
+
+
+class _Completed(NamedTuple):
+    """The arguments of one ``OffloadingWorkerMetadata.mark_completed`` call vLLM completed."""
+
+    args: tuple
+    kwargs: dict
+
+
 class _Connector:
-    """One ``OffloadingConnectorWorker``'s submitted transfers, by vLLM job id."""
+    """One ``OffloadingConnectorWorker``'s KV groups and submitted transfers, by vLLM job id."""
 
-    __slots__ = ("pending", "sink", "tokens_per_block", "worker_timing")
+    __slots__ = ("groups", "pending", "sink", "worker_timing")
 
-    def __init__(self, sink: HiCacheTelemetry | None, tokens_per_block: int) -> None:
+    def __init__(self, sink: HiCacheTelemetry | None, groups: tuple[_Group, ...]) -> None:
         self.sink = sink
-        self.tokens_per_block = tokens_per_block
+        self.groups = groups
         self.pending: dict[int, _Pending] = {}
         self.worker_timing: TimingSource | None = None
 
@@ -100,7 +129,7 @@ class OffloadHooks:
         state = getattr(worker, self._attr, None)
         if state is None:
             spec = worker.spec
-            state = _Connector(self.sinks.for_spec(spec), int(spec.config.groups[0].tokens_per_block))
+            state = _Connector(self.sinks.for_spec(spec), _groups(spec, worker.kv_cache_config))
             setattr(worker, self._attr, state)
         return state
 
@@ -142,12 +171,15 @@ class OffloadHooks:
         state = self._connector(instance)
         if state.sink is None or not jobs:
             return
-        pending = state.pending
+        pending, groups = state.pending, state.groups
         for job_id, job in jobs.items():
             gpu = job.src_spec if operation is TransferOperation.BACKUP else job.dst_spec
-            sizes = gpu.group_sizes
-            first = int(sizes[0]) if len(sizes) else len(gpu.block_ids)
-            pending[job_id] = _Pending(operation, first * state.tokens_per_block, len(gpu.block_ids), submit_ns)
+            blocks = len(gpu.block_ids)
+            sizes = gpu.group_sizes if len(groups) > 1 else (blocks,)
+            tokens: dict[str, int] = {}
+            for group, size in zip(groups, sizes, strict=True):
+                tokens[group.pool] = max(tokens.get(group.pool, 0), int(size) * group.tokens_per_block)
+            pending[job_id] = _Pending(operation, tokens, blocks, submit_ns)
         while len(pending) > MAX_PENDING:
             del pending[next(iter(pending))]
 
@@ -163,36 +195,39 @@ class OffloadHooks:
 
     # ------------------------------------------------------------------ completion
     def get_finished(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """Collect the ``record`` / ``mark_completed`` calls vLLM makes for each finished ``TransferResult``."""
-        events: list[Any] = []
+        """Collect the ``record`` / ``mark_completed`` calls vLLM makes for each finished ``TransferResult`` and
+        report them, also when vLLM raises part-way (what it counted before is reported; its exception goes on)."""
+        events: list[_Measured | _Completed] = []
         outer = getattr(self._finishing, "events", None)
         self._finishing.events = events
         try:
-            result = wrapped(*args, **kwargs)
+            return wrapped(*args, **kwargs)
         finally:
             self._finishing.events = outer
-        if events:
-            try:
-                self._report(instance, events)
-            except Exception:
-                self._fail("get_finished")
-        return result
+            if events:
+                try:
+                    self._report(instance, events)
+                except Exception:
+                    self._fail("get_finished")
 
     def transfer_stats_record(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``DirectionalTransferStats.record(num_bytes, time)``: vLLM counting one timed result."""
+        """``DirectionalTransferStats.record(num_bytes, time)``: vLLM counting one timed result (noted once vLLM's
+        call returned, so what vLLM refused is not reported either)."""
+        result = wrapped(*args, **kwargs)
         events = getattr(self._finishing, "events", None)
         if events is not None:
-            events.append(_stats_arguments(*args, **kwargs))
-        return wrapped(*args, **kwargs)
+            events.append(_Measured(args, kwargs))
+        return result
 
     def mark_completed(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingWorkerMetadata.mark_completed(job_id)``: the result's job is done."""
+        result = wrapped(*args, **kwargs)
         events = getattr(self._finishing, "events", None)
         if events is not None:
-            events.append(int(args[0] if args else kwargs["job_id"]))
-        return wrapped(*args, **kwargs)
+            events.append(_Completed(args, kwargs))
+        return result
 
-    def _report(self, instance: Any, events: list[Any]) -> None:
+    def _report(self, instance: Any, events: list[_Measured | _Completed]) -> None:
         state = self._connector(instance)
         sink = state.sink
         if sink is None:
@@ -202,14 +237,18 @@ class OffloadHooks:
             name = f"{worker.__module__}.{worker.__qualname__}"
             state.worker_timing = TimingSource.CUDA_EVENT if name in _DEVICE_TIMED_WORKERS else TimingSource.HOST_CLOCK
         done_ns = now_ns()
-        measured: tuple[int, float] | None = None
+        measured: _Measured | None = None
         for event in events:
-            if isinstance(event, tuple):
+            if isinstance(event, _Measured):
                 measured = event
                 continue
-            entry = state.pending.pop(event, None)
-            if entry is not None:
-                sink.record_transfer(_record(entry, measured, done_ns, state.worker_timing))
+            try:  # one result's odd arguments never cost the others
+                entry = state.pending.pop(_job_id(*event.args, **event.kwargs), None)
+                if entry is not None:
+                    sizes = None if measured is None else _stats_arguments(*measured.args, **measured.kwargs)
+                    sink.record_transfer(_record(entry, sizes, done_ns, state.worker_timing))
+            except Exception:
+                self._fail("get_finished")
             measured = None
 
     # ------------------------------------------------------------------ scheduler side
@@ -263,19 +302,35 @@ class OffloadHooks:
         return result
 
 
-def _record(entry: _Pending, measured: tuple[int, float] | None, done_ns: int, timing: TimingSource) -> TransferRecord:
+def _record(entry: _Pending, measured: tuple[Any, Any] | None, done_ns: int, timing: TimingSource) -> TransferRecord:
+    """The transfer record of one finished job. ``measured`` is what vLLM counted for it (bytes, seconds), as vLLM
+    got them (the telemetry refuses values that are not counts or durations); ``None`` for a result without size and
+    time, which vLLM does not count: then the transfer is reported with its tokens and blocks, no bytes and no
+    duration (timing source ``none``), so bytes, time and count stay equal to vLLM's."""
     submit_ns = entry.submit_ns or done_ns  # a store finished before we saw it submitted
     num_bytes, duration = measured if measured is not None else (0, None)
     return TransferRecord(
         operation=entry.operation,
-        tokens_by_pool={DEFAULT_POOL: entry.tokens},
-        num_bytes=int(num_bytes),
+        tokens_by_pool=entry.tokens_by_pool,
+        num_bytes=num_bytes,
         submit_time_ns=min(submit_ns, done_ns),
         complete_time_ns=done_ns,
-        copy_duration_s=None if duration is None else float(duration),
+        copy_duration_s=duration,
         timing_source=TimingSource.NONE if duration is None else timing,
         node_count=entry.blocks,
     )
+
+
+def _groups(spec: Any, kv_cache_config: Any) -> tuple[_Group, ...]:
+    """The KV cache groups a connector offloads (``spec.config.groups``), each with its pool and tokens per block."""
+    spec_kind = importlib.import_module("vllm.v1.kv_cache_interface").get_kv_cache_spec_kind
+    groups = []
+    for group in spec.config.groups:
+        cache_group = kv_cache_config.kv_cache_groups[group.group_id]
+        kind = spec_kind(cache_group.kv_cache_spec)
+        pool = group_pool(str(getattr(kind, "value", kind)), cache_group.is_eagle_group, str(cache_group.role.value))
+        groups.append(_Group(pool, int(group.tokens_per_block)))
+    return tuple(groups)
 
 
 class _CpuTierSource:
@@ -298,8 +353,12 @@ class _CpuTierSource:
         return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=held * per, limit=manager._num_chunks * per)]
 
 
-def _stats_arguments(num_bytes: int, time: float) -> tuple[int, float]:
-    return int(num_bytes), float(time)
+def _stats_arguments(num_bytes: Any, time: Any) -> tuple[Any, Any]:
+    return num_bytes, time
+
+
+def _job_id(job_id: Any) -> int:
+    return int(job_id)
 
 
 def _counter_arguments(

@@ -2,7 +2,8 @@
 
 The core vocabulary (:mod:`otel_hicache.semconv`) is engine-neutral; what only vLLM spells lives here. vLLM's
 transfer types map onto operations (``GPU_to_CPU`` = ``backup``, ``CPU_to_GPU`` = ``load_back``), its CPU tier onto
-tier ``host``, and its blocks onto tokens (GPU blocks x tokens per block) of pool ``kv``.
+tier ``host``, and its blocks onto tokens (GPU blocks x tokens per block) of the pool of their KV cache group's kind
+(:data:`GROUP_POOLS`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,33 @@ from typing import Final
 #: The entry-point name of the instrumentor and of the ``vllm.general_plugins`` plugin; naming it in
 #: ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` turns both off.
 ENTRY_POINT: Final = "vllm_kv_offload"
+
+#: The pool of a KV cache group, by vLLM's kind of its spec (``vllm.v1.kv_cache_interface.get_kv_cache_spec_kind``).
+#: A kind not listed here is reported under its own name, which the core counts as pool ``other`` (with a one-time
+#: warning and ``otel_hicache.records.normalized``).
+GROUP_POOLS: Final[dict[str, str]] = {
+    "full_attention": "kv",
+    "mla_attention": "kv",
+    "sink_full_attention": "kv",
+    "sliding_window": "swa",
+    "sliding_window_mla": "swa",
+    "chunked_local_attention": "swa",
+    "mamba": "mamba",
+}
+#: An EAGLE / MTP draft group's pool, whatever its kind; a HiSparse indexer group's (role ``hisparse_indexer``).
+DRAFT_POOL: Final = "draft"
+INDEXER_POOL: Final = "indexer"
+INDEXER_ROLE: Final = "hisparse_indexer"
+
+
+def group_pool(kind: str, is_eagle_group: bool, role: str) -> str:
+    """The pool a KV cache group's tokens are counted in."""
+    if is_eagle_group:
+        return DRAFT_POOL
+    if role == INDEXER_ROLE:
+        return INDEXER_POOL
+    return GROUP_POOLS.get(kind, kind)
+
 
 #: vLLM's own allocation-failure counter (``OffloadingConnectorStats`` key): each increment is one store that found
 #: no room in the CPU tier.
