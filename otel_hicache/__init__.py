@@ -43,7 +43,9 @@ from typing import TYPE_CHECKING, Any
 from otel_hicache.config import ConfigError
 from otel_hicache.records import (
     DropRecord,
+    EvictedEntry,
     EvictionRecord,
+    KvWait,
     PoolUsage,
     PrefixSplit,
     TransferFailure,
@@ -75,8 +77,10 @@ __all__ = [
     "ConfigError",
     "DropReason",
     "DropRecord",
+    "EvictedEntry",
     "EvictionRecord",
     "HiCacheTelemetry",
+    "KvWait",
     "PoolUsage",
     "PrefillMode",
     "PrefixSplit",

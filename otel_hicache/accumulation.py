@@ -30,9 +30,11 @@ def _domains(pools: Sequence[str]) -> dict[str, tuple[Any, ...]]:
         sc.ATTR_ERROR_TYPE: (*sorted(sc.TRANSFER_ERRORS), sc.OTHER_ERROR),
         sc.ATTR_DROP_REASON: tuple(r.value for r in sc.DropReason),
         sc.ATTR_TIER: tuple(t.value for t in sc.Tier),
+        sc.ATTR_EVICTION_REUSED: (None, True, False),  # None: the producer does not know
         sc.ATTR_PREFILL_MODE: tuple(m.value for m in sc.PrefillMode),
         sc.ATTR_RECORD_KIND: tuple(k.value for k in sc.RecordKind),
         sc.ATTR_PROBLEM: tuple(p.value for p in sc.Problem),
+        sc.ATTR_INSTRUMENT: tuple(spec.name for spec in sc.INSTRUMENTS),
     }
 
 
@@ -44,12 +46,18 @@ def _seeded(name: str, seed_pools: Sequence[str]) -> list[Key]:
     if name == sc.METRIC_TRANSFER_SIZE:
         return [(op, None, source.value) for op in ops for source in sc.TimingSource]
     if name == sc.METRIC_DROPPED_TOKENS:
-        return [(reason.value, pool) for reason in sc.DropReason for pool in seed_pools]
+        return [(reason.value, pool) for reason in _KNOWN_REASONS for pool in seed_pools]
     if name == sc.METRIC_EVICTION_TOKENS:
-        return [(sc.Tier.DEVICE.value,), (sc.Tier.HOST.value,)]
+        return [(tier.value, reused) for tier in (sc.Tier.DEVICE, sc.Tier.HOST) for reused in (None, True, False)]
     if name == sc.METRIC_PREFILL_TOKENS:
-        return [(mode.value,) for mode in sc.PrefillMode]
+        return [(mode.value,) for mode in sc.PrefillMode if mode is not sc.PrefillMode.OTHER]
+    if name == sc.METRIC_WASTED_SIZE:
+        return [(sc.TransferOperation.BACKUP.value,), (sc.TransferOperation.STORAGE_BACKUP.value,)]
     return []
+
+
+#: Seeded drop reasons: "other" appears only when a producer reports a reason we do not know.
+_KNOWN_REASONS = tuple(reason for reason in sc.DropReason if reason is not sc.DropReason.OTHER)
 
 
 class Layout:

@@ -6,8 +6,9 @@ Layout (all int64-aligned)::
 
 * The **counter table** holds every counter series exactly (:mod:`otel_hicache.accumulation`).
 * The **record ring** is a bounded single-producer / single-consumer queue of fixed-size slots: the host packs each
-  transfer (for its span and histogram point) and each eviction (for its histogram point) into the next free slot;
-  when the ring is full the record's span is shed and counted, never waited for. The producer publishes a slot by
+  transfer (for its span and histogram point) and the histogram points of other records (eviction durations and
+  ages, request KV waits: :class:`Points`, several values to a slot) into the next free slots; when the ring is full
+  the record's span and points are shed and counted, never waited for. The producer publishes a slot by
   advancing ``WRITE`` after writing it; the consumer advances ``READ`` after decoding.
 * The **header** also carries the flush handshake (``FLUSH_REQ`` / ``FLUSH_DONE``) and the exporter's state.
 
@@ -22,21 +23,27 @@ import mmap
 import os
 import struct
 import weakref
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
 from otel_hicache.accumulation import Counters, Layout
-from otel_hicache.records import EvictionRecord, TransferRecord
-from otel_hicache.validation import MAX_LABEL_BYTES, Transfer
+from otel_hicache.records import TransferRecord
+from otel_hicache.validation import MAX_LABEL_BYTES, Link, Transfer
 
 # header slots
 MAGIC, WRITE, READ, FLUSH_REQ, FLUSH_DONE, EXPORTER_PID, EXPORTER_DONE = range(7)
 HEADER_INTS = 8
 _MAGIC = 0x4849434143484531  # "HICACHE1"
 
-_KIND_TRANSFER, _KIND_EVICTION = 1, 2
+_KIND_TRANSFER, _KIND_POINTS = 1, 2
+#: The histograms whose points travel as :class:`Points`: every histogram attributed by tier alone.
+POINT_INSTRUMENTS: tuple[str, ...] = tuple(
+    spec.name for spec in sc.INSTRUMENTS if spec.kind == "histogram" and spec.attributes == (sc.ATTR_TIER,)
+)
+_POINT_INDEX = {name: i for i, name in enumerate(POINT_INSTRUMENTS)}
 _OPS = list(sc.TransferOperation)
 _OP_INDEX = {op: i for i, op in enumerate(_OPS)}
 _SOURCES = list(sc.TimingSource)
@@ -48,6 +55,20 @@ _TIER_INDEX = {t: i for i, t in enumerate(_TIERS)}
 _FIXED = struct.Struct(f"<7Bx qqd qqq {MAX_LABEL_BYTES}s{MAX_LABEL_BYTES}s")
 _POOL = struct.Struct("<Hxxxxxxqq")  # pool index, tokens (-1: none), bytes (-1: not split by pool)
 _LINK = struct.Struct("<16s8sBBxxxxxx")  # trace id, span id, trace flags, is_remote
+_VALUE = struct.Struct("<d")
+
+
+class Points(NamedTuple):
+    """Histogram points of one instrument and tier, as the consumer decodes them (the exporter's record).
+    ``context``: the span the points belong to (a request's), for exemplars; None when there is none."""
+
+    instrument: str
+    tier: sc.Tier
+    values: tuple[float, ...]
+    context: SpanContext | None
+
+
+Record = TransferRecord | Points
 
 
 def slot_size(pools: int) -> int:
@@ -64,6 +85,7 @@ class Channel:
         self.layout = layout
         self.capacity = capacity
         self.slot = slot_size(len(layout.pools))
+        self.values_per_slot = min(255, (self.slot - _FIXED.size - _LINK.size) // _VALUE.size)
         self.ring_offset = (layout.end * 8 + 63) & ~63
         size = self.ring_offset + capacity * self.slot
         attach = fd is not None
@@ -116,11 +138,6 @@ class Channel:
         self.release_fd()
 
     # ------------------------------------------------------------------ producer (host, under its lock)
-    def _claim(self) -> int | None:
-        ints = self.ints
-        write: int = ints[WRITE]
-        return None if write - ints[READ] >= self.capacity else write
-
     def _label(self, value: str | None) -> bytes:
         encoded = self._labels.get(value)
         if encoded is None:
@@ -133,7 +150,7 @@ class Channel:
 
     def put_transfer(self, t: Transfer) -> bool:
         """Pack a checked transfer into the next slot; False when the ring is full."""
-        ints = self.ints  # _claim() inline: one Python frame less on every transfer
+        ints = self.ints
         write: int = ints[WRITE]
         if write - ints[READ] >= self.capacity:
             return False
@@ -165,21 +182,39 @@ class Channel:
         self.ints[WRITE] = write + 1
         return True
 
-    def put_eviction(self, tier: sc.Tier, tokens: int, duration_s: float, time_ns: int) -> bool:
-        write = self._claim()
-        if write is None:
+    def put_points(self, instrument: str, tier: sc.Tier, values: Sequence[float], time_ns: int,
+                   context: Link | None = None) -> bool:  # fmt: skip
+        """Pack histogram points (``values_per_slot`` to a slot); all of them or none: False when the ring has no
+        room for them all."""
+        per = self.values_per_slot
+        needed = -(-len(values) // per)
+        ints = self.ints
+        write: int = ints[WRITE]
+        if write + needed - ints[READ] > self.capacity:
             return False
-        offset = self.ring_offset + (write % self.capacity) * self.slot
-        _FIXED.pack_into(self.bytes, offset, _KIND_EVICTION, _TIER_INDEX[tier], 0, 0, 0, 0, 0, time_ns, time_ns,
-                         duration_s, tokens, 0, 0, b"", b"")  # fmt: skip
-        self.ints[WRITE] = write + 1
+        buf, which, where = self.bytes, _POINT_INDEX[instrument], _TIER_INDEX[tier]
+        for first in range(0, len(values), per):
+            chunk = values[first : first + per]
+            offset = self.ring_offset + (write % self.capacity) * self.slot
+            at = offset + _FIXED.size
+            if context is not None:
+                trace_id, span_id, flags, remote = context
+                _LINK.pack_into(buf, at, trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"), flags, remote)
+                at += _LINK.size
+            for value in chunk:
+                _VALUE.pack_into(buf, at, value)
+                at += _VALUE.size
+            _FIXED.pack_into(buf, offset, _KIND_POINTS, which, where, 0, context is not None, 0, 0, time_ns, time_ns,
+                             math.nan, len(chunk), 0, 0, b"", b"")  # fmt: skip
+            write += 1
+        ints[WRITE] = write
         return True
 
     def pending(self) -> int:
         return int(self.ints[WRITE] - self.ints[READ])
 
     # ------------------------------------------------------------------ consumer (exporter, one thread)
-    def take(self, limit: int) -> list[TransferRecord | EvictionRecord]:
+    def take(self, limit: int) -> list[Record]:
         """Decode and release up to ``limit`` records, oldest first."""
         ints = self.ints
         read, write = ints[READ], ints[WRITE]
@@ -188,13 +223,18 @@ class Channel:
         ints[READ] = end
         return out
 
-    def _decode(self, offset: int) -> TransferRecord | EvictionRecord:
+    def _decode(self, offset: int) -> Record:
         buf, pools = self.bytes, self.layout.pools
         (kind, which, source, n_pools, n_links, split, _, start, end, duration, num_bytes, merged, nodes, policy,
          backend) = _FIXED.unpack_from(buf, offset)  # fmt: skip
-        if kind == _KIND_EVICTION:
-            return EvictionRecord(_TIERS[which], num_bytes, duration, end)
         at = offset + _FIXED.size
+        if kind == _KIND_POINTS:
+            context = None
+            if n_links:
+                context = _context(buf, at)
+                at += _LINK.size
+            values = tuple(_VALUE.unpack_from(buf, at + i * _VALUE.size)[0] for i in range(num_bytes))
+            return Points(POINT_INSTRUMENTS[which], _TIERS[source], values, context)
         tokens: dict[str, int] = {}
         by_pool: dict[str, int] = {}
         for _ in range(n_pools):
@@ -206,10 +246,8 @@ class Channel:
                 by_pool[pools[index]] = size
         links = []
         for _ in range(n_links):
-            trace_id, span_id, flags, remote = _LINK.unpack_from(buf, at)
+            links.append(_context(buf, at))
             at += _LINK.size
-            links.append(SpanContext(int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big"), bool(remote),
-                                     TraceFlags(flags)))  # fmt: skip
         return TransferRecord(
             operation=_OPS[which],
             tokens_by_pool=tokens,
@@ -225,6 +263,11 @@ class Channel:
             io_backend=_text(backend),
             links=tuple(links),
         )
+
+
+def _context(buf: memoryview, at: int) -> SpanContext:
+    trace_id, span_id, flags, remote = _LINK.unpack_from(buf, at)
+    return SpanContext(int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big"), bool(remote), TraceFlags(flags))
 
 
 def _text(raw: bytes) -> str | None:

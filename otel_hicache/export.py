@@ -19,11 +19,12 @@ from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import Link, Span
+from opentelemetry.trace import Link, NonRecordingSpan, Span
 
 from otel_hicache import semconv as sc
 from otel_hicache.accumulation import Counters
-from otel_hicache.records import EvictionRecord, TransferRecord
+from otel_hicache.channel import Points, Record
+from otel_hicache.records import TransferRecord
 from otel_hicache.version import __version__
 
 _log = logging.getLogger(__name__)
@@ -69,7 +70,6 @@ class Emitter:
             else:
                 meter.create_observable_up_down_counter(spec.name, [callback], spec.unit, spec.description)
         self._transfer_duration = self._histograms[sc.METRIC_TRANSFER_DURATION]
-        self._eviction_duration = self._histograms[sc.METRIC_EVICTION_DURATION]
 
     # ------------------------------------------------------------------ metrics read at collection
     def observe(self, name: str) -> list[Observation]:
@@ -97,10 +97,10 @@ class Emitter:
         return [Observation(limit, {sc.ATTR_TIER: t, sc.ATTR_POOL: p}) for t, p, _, limit in self._counters.pools()]
 
     # ------------------------------------------------------------------ records
-    def emit(self, record: TransferRecord | EvictionRecord) -> None:
-        """One span and histogram point per transfer; a histogram point per eviction."""
-        if isinstance(record, EvictionRecord):
-            self._eviction_duration.record(record.duration_s, {sc.ATTR_TIER: record.tier.value})
+    def emit(self, record: Record) -> None:
+        """One span and histogram point per transfer; the histogram points of other records."""
+        if isinstance(record, Points):
+            self._points(record)
             return
         op, duration, source = record.operation, record.copy_duration_s, record.timing_source
         span: Span | None = None
@@ -122,6 +122,17 @@ class Emitter:
                 self._transfer_duration.record(duration, attrs)
         if span is not None:
             span.end(end_time=record.complete_time_ns)
+
+    def _points(self, points: Points) -> None:
+        histogram = self._histograms[points.instrument]
+        attrs = {sc.ATTR_TIER: points.tier.value}
+        if points.context is None:
+            for value in points.values:
+                histogram.record(value, attrs)
+            return
+        with trace.use_span(NonRecordingSpan(points.context), end_on_exit=False):  # exemplars: the request's trace
+            for value in points.values:
+                histogram.record(value, attrs)
 
 
 def _weak_callback(emitter: Emitter, name: str) -> Callable[[CallbackOptions], list[Observation]]:

@@ -10,7 +10,7 @@ All times are epoch nanoseconds on :data:`otel_hicache.timing.ANCHOR` (use :func
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from opentelemetry.trace import SpanContext
@@ -59,12 +59,40 @@ class DropRecord(NamedTuple):
     time_ns: int
 
 
+class EvictedEntry(NamedTuple):
+    """One entry (a radix node, a block, a page run) an eviction pass removed from a tier: what says whether the tier
+    is the right size, and which moved KV was wasted.
+
+    ``idle_s``: seconds since the entry was last used (hit or written) in that tier. ``reused``: whether it served any
+    hit while in that tier. ``unread_bytes``: bytes a transfer wrote into that tier for this entry that nothing read
+    back before the eviction, and ``written_by`` that transfer (by default ``backup`` for the host tier,
+    ``storage_backup`` for storage, ``load_back`` for the device). None: the producer does not know.
+    """
+
+    tokens: int
+    idle_s: float | None = None
+    reused: bool | None = None
+    unread_bytes: int = 0
+    written_by: TransferOperation | None = None
+
+
 class EvictionRecord(NamedTuple):
-    """One eviction pass on a tier: token slots freed and its wall-clock duration."""
+    """One eviction pass on a tier: token slots freed and its wall-clock duration, optionally per entry
+    (``entries``; their tokens add up to at most ``num_tokens``, the rest counts as entries of unknown reuse)."""
 
     tier: Tier
     num_tokens: int
     duration_s: float
+    time_ns: int
+    entries: Sequence[EvictedEntry] = ()
+
+
+class KvWait(NamedTuple):
+    """How long one request's prefill waited for its KV to arrive from one tier: ``host`` (a load back before the
+    forward that needs it) or ``storage`` (a prefetch, until the request was released). One per request and tier."""
+
+    tier: Tier
+    wait_s: float
     time_ns: int
 
 

@@ -38,6 +38,7 @@ class DropReason(_StrEnum):
 
     HOST_PRESSURE = "host_pressure"  # write_back: the host pool could not take the backup
     WRITE_THROUGH_UNBACKED_EVICTION = "write_through_unbacked_eviction"  # write_through: evicted before backed up
+    OTHER = "other"  # a reason the producer names and we do not know (counted, and noted in records.normalized)
 
 
 class PrefillMode(_StrEnum):
@@ -47,6 +48,7 @@ class PrefillMode(_StrEnum):
     DEVICE_HIT = "device_hit"
     HOST_HIT = "host_hit"
     STORAGE_HIT = "storage_hit"
+    OTHER = "other"  # a hit of a kind we do not know (an engine's new counter): counted, never lost
 
 
 class TimingSource(_StrEnum):
@@ -98,6 +100,8 @@ class RecordKind(_StrEnum):
     EVICTION = "eviction"
     PREFIX_SPLIT = "prefix_split"
     POOL_USAGE = "pool_usage"
+    KV_WAIT = "kv_wait"
+    ENGINE_CHECK = "engine_check"
 
 
 class Problem(_StrEnum):
@@ -106,7 +110,6 @@ class Problem(_StrEnum):
     # refused: nothing of the record was counted
     MALFORMED = "malformed"  # not a record of that kind, or reading it raised
     UNKNOWN_OPERATION = "unknown_operation"
-    UNKNOWN_REASON = "unknown_reason"
     UNKNOWN_TIER = "unknown_tier"
     UNKNOWN_TIMING_SOURCE = "unknown_timing_source"  # or a duration whose source says "none"
     BAD_COUNT = "bad_count"  # not an integer
@@ -115,11 +118,13 @@ class Problem(_StrEnum):
     BYTES_MISMATCH = "bytes_mismatch"  # bytes per pool do not add up to the total
     BAD_DURATION = "bad_duration"
     END_BEFORE_START = "end_before_start"
+    ENTRIES_EXCEED_TOTAL = "entries_exceed_total"  # an eviction's entries hold more tokens than the pass freed
     BUILD_FAILED = "build_failed"  # a deferred record's builder raised or returned no record
     QUEUE_FULL = "queue_full"  # a deferred record could not be queued: shed, never built
-    SOURCE_FAILED = "source_failed"  # a pool-usage source raised
+    SOURCE_FAILED = "source_failed"  # a pool-usage source or an engine check raised
     # corrected: the record was counted
     UNKNOWN_POOL = "unknown_pool"  # reported as pool "other"
+    UNKNOWN_REASON = "unknown_reason"  # a drop reason we do not know: reported as reason "other"
     BAD_LINK = "bad_link"  # a link that is not a valid SpanContext was left out
     LINKS_TRUNCATED = "links_truncated"  # more links than a span keeps (MAX_LINKS)
     BAD_ATTRIBUTE = "bad_attribute"  # a write policy or io backend that is not a string was left out
@@ -139,6 +144,8 @@ ATTR_PREFILL_MODE: Final = "hicache.prefill.mode"
 ATTR_POOL_STATE: Final = "hicache.pool.state"
 ATTR_ERROR_TYPE: Final = "error.type"
 ATTR_TIMING_SOURCE: Final = "hicache.timing.source"
+#: Whether an evicted entry served any hit while in the tier it was evicted from (a boolean; absent: unknown).
+ATTR_EVICTION_REUSED: Final = "hicache.eviction.reused"
 
 # span-only attributes
 ATTR_TOKENS: Final = "hicache.transfer.tokens"  # total logical tokens; per pool: f"{ATTR_TOKENS}.{pool}"
@@ -149,6 +156,8 @@ ATTR_COPY_DURATION: Final = "hicache.transfer.copy_duration"  # seconds, device-
 ATTR_WRITE_POLICY: Final = "hicache.write_policy"
 ATTR_IO_BACKEND: Final = "hicache.io_backend"
 ATTR_PREFIX_TOKENS: Final = "hicache.prefix.tokens"  # per mode on request spans: f"{ATTR_PREFIX_TOKENS}.{mode}"
+#: Seconds a request waited for its KV, per tier, on request spans: f"{ATTR_KV_WAIT}.{tier}".
+ATTR_KV_WAIT: Final = "hicache.kv_wait"
 
 # resource attributes (ranks go on the Resource, never on a metric point)
 RESOURCE_TP_RANK: Final = "hicache.rank.tp"
@@ -172,6 +181,7 @@ class Engine(_StrEnum):
 # self-telemetry attributes
 ATTR_RECORD_KIND: Final = "otel_hicache.record.kind"
 ATTR_PROBLEM: Final = "otel_hicache.problem"
+ATTR_INSTRUMENT: Final = "otel_hicache.instrument"  # one of our instrument names (INSTRUMENTS)
 
 # --------------------------------------------------------------------------- instruments
 METRIC_TRANSFER_TOKENS: Final = "hicache.transfer.tokens"
@@ -181,18 +191,23 @@ METRIC_TRANSFER_FAILURES: Final = "hicache.transfer.failures"
 METRIC_DROPPED_TOKENS: Final = "hicache.dropped.tokens"
 METRIC_EVICTION_TOKENS: Final = "hicache.eviction.tokens"
 METRIC_EVICTION_DURATION: Final = "hicache.eviction.duration"
+METRIC_EVICTION_AGE: Final = "hicache.eviction.age"
+METRIC_WASTED_SIZE: Final = "hicache.wasted.size"
+METRIC_REQUEST_KV_WAIT: Final = "hicache.request.kv_wait"
 METRIC_PREFILL_TOKENS: Final = "hicache.prefill.tokens"
 METRIC_POOL_USAGE: Final = "hicache.pool.usage"
 METRIC_POOL_LIMIT: Final = "hicache.pool.limit"
 METRIC_RECORDS_REJECTED: Final = "otel_hicache.records.rejected"
 METRIC_RECORDS_NORMALIZED: Final = "otel_hicache.records.normalized"
 METRIC_RECORDS_DROPPED: Final = "otel_hicache.records.dropped"
+METRIC_ENGINE_MISMATCH: Final = "otel_hicache.engine.mismatch"
 
 UNIT_TOKEN: Final = "{token}"
 UNIT_BYTE: Final = "By"
 UNIT_SECOND: Final = "s"
 UNIT_TRANSFER: Final = "{transfer}"
 UNIT_RECORD: Final = "{record}"
+UNIT_MISMATCH: Final = "{mismatch}"
 
 #: Transfer copy durations: ~100 us (a small H->D load back) up to 60 s (a blocking write-back backup).
 TRANSFER_DURATION_BUCKETS: Final[tuple[float, ...]] = (
@@ -201,6 +216,13 @@ TRANSFER_DURATION_BUCKETS: Final[tuple[float, ...]] = (
 #: Eviction passes (wall clock, includes blocking write-back copies).
 EVICTION_DURATION_BUCKETS: Final[tuple[float, ...]] = (
     0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+#: How long a request's prefill waited for its KV to arrive from a tier: a fast load back to a slow L3 prefetch.
+KV_WAIT_BUCKETS: Final[tuple[float, ...]] = TRANSFER_DURATION_BUCKETS
+#: Time since an evicted entry was last used: a tier that evicts entries seconds after their last use is too small.
+EVICTION_AGE_BUCKETS: Final[tuple[float, ...]] = (
+    0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
 )  # fmt: skip
 
 
@@ -237,10 +259,24 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
     InstrumentSpec(METRIC_DROPPED_TOKENS, "counter", UNIT_TOKEN,
                    "Device KV tokens destroyed without a host copy.", (ATTR_DROP_REASON, ATTR_POOL)),
     InstrumentSpec(METRIC_EVICTION_TOKENS, "counter", UNIT_TOKEN,
-                   "Token slots freed by eviction, backed up or not.", (ATTR_TIER,)),
+                   "Token slots freed by eviction, backed up or not; hicache.eviction.reused says whether the evicted "
+                   "entries served any hit while in that tier (absent where the producer does not know).",
+                   (ATTR_TIER, ATTR_EVICTION_REUSED)),
     InstrumentSpec(METRIC_EVICTION_DURATION, "histogram", UNIT_SECOND,
                    "Wall-clock time of an eviction pass, blocking write-back copies included.", (ATTR_TIER,),
                    EVICTION_DURATION_BUCKETS),
+    InstrumentSpec(METRIC_EVICTION_AGE, "histogram", UNIT_SECOND,
+                   "Time since an evicted entry was last used (hit or written) in the tier it was evicted from, one "
+                   "point per entry: short ages mean the tier is too small for the reuse distance.", (ATTR_TIER,),
+                   EVICTION_AGE_BUCKETS),
+    InstrumentSpec(METRIC_WASTED_SIZE, "counter", UNIT_BYTE,
+                   "Bytes a transfer wrote into a tier that were evicted from it without ever being read back, by the "
+                   "operation that wrote them (backup: into host memory; storage_backup: into storage).",
+                   (ATTR_OPERATION,)),
+    InstrumentSpec(METRIC_REQUEST_KV_WAIT, "histogram", UNIT_SECOND,
+                   "How long a request's prefill waited for its KV to arrive from a tier (host: load back before the "
+                   "forward that needs it; storage: prefetch until the request is released). Requests that waited for "
+                   "nothing record nothing.", (ATTR_TIER,), KV_WAIT_BUCKETS),
     InstrumentSpec(METRIC_PREFILL_TOKENS, "counter", UNIT_TOKEN,
                    "Prefill tokens by how they were obtained: computed (input) or hit in a tier.",
                    (ATTR_PREFILL_MODE,)),
@@ -257,6 +293,9 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
     InstrumentSpec(METRIC_RECORDS_DROPPED, "counter", UNIT_RECORD,
                    "Records whose span and histogram point were lost (the export ring was full, or the telemetry was "
                    "shut down); their counters are still exact.", (ATTR_RECORD_KIND,)),
+    InstrumentSpec(METRIC_ENGINE_MISMATCH, "counter", UNIT_MISMATCH,
+                   "Self-checks in which an instrument's total disagreed with the engine's own counter in the same "
+                   "process (an adapter that undercounts after an engine change).", (ATTR_INSTRUMENT,)),
 )  # fmt: skip
 
 # --------------------------------------------------------------------------- spans

@@ -172,7 +172,7 @@ def summarize(setup: TelemetrySetup) -> Summary:
         durations=durations,
         drops=_pairs(counters.get(sc.METRIC_DROPPED_TOKENS, {})),
         failures=_pairs(counters.get(sc.METRIC_TRANSFER_FAILURES, {})),
-        evictions={k[0]: v for k, v in counters.get(sc.METRIC_EVICTION_TOKENS, {}).items()},
+        evictions=by_first(counters.get(sc.METRIC_EVICTION_TOKENS, {})),
         pools=pools,
         pipeline=pipeline,
         spans_recorded=setup.recent_spans.total if setup.recent_spans is not None else 0,
@@ -227,6 +227,14 @@ def _read_metrics(data: MetricsData | None) -> tuple[_Counters, dict[str, list[H
 
 def _strs(key: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(None if part is None else str(part) for part in key)
+
+
+def by_first(values: Mapping[tuple[Any, ...], int]) -> dict[str, int]:
+    """Series summed by their first attribute (eviction tokens by tier, whatever their reuse)."""
+    out: dict[str, int] = {}
+    for key, value in values.items():
+        out[str(key[0])] = out.get(str(key[0]), 0) + value
+    return out
 
 
 def _pairs(values: Mapping[tuple[Any, ...], int]) -> dict[tuple[str, str], int]:

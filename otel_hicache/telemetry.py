@@ -44,11 +44,19 @@ from opentelemetry.trace import Span, SpanContext
 from otel_hicache import semconv as sc
 from otel_hicache import validation
 from otel_hicache.accumulation import Layout
-from otel_hicache.channel import EXPORTER_PID, HEADER_INTS, Channel
+from otel_hicache.channel import EXPORTER_PID, HEADER_INTS, Channel, Record
 from otel_hicache.deferred import Build, DeferredQueue
 from otel_hicache.export import Emitter
-from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferFailure, TransferRecord
-from otel_hicache.semconv import Problem, RecordKind, TimingSource, TransferOperation
+from otel_hicache.records import (
+    DropRecord,
+    EvictionRecord,
+    KvWait,
+    PoolUsage,
+    PrefixSplit,
+    TransferFailure,
+    TransferRecord,
+)
+from otel_hicache.semconv import Problem, RecordKind, Tier, TimingSource, TransferOperation
 from otel_hicache.validation import Rejected
 
 _log = logging.getLogger(__name__)
@@ -74,6 +82,8 @@ POOL_INTERVAL_S = 1.0
 SETTLE_TIMEOUT_S = 1.0
 
 PoolSource = Callable[[], Iterable[PoolUsage]]
+#: An engine self-check: the names of our instruments whose totals disagree with the engine's own counters.
+EngineCheck = Callable[[], Iterable[str]]
 _T = TypeVar("_T")
 
 
@@ -131,6 +141,8 @@ class HiCacheTelemetry:
         self._interval_s = flush_interval_s
         self._warned: set[tuple[str, str]] = set()
         self._pool_sources: list[PoolSource] = []
+        self._engine_checks: list[EngineCheck] = []
+        self._checking = threading.Lock()  # one run of the engine checks at a time; a check may call snapshot()
         self._pools_reported = False  # the gauges hold a reading (cleared once the last source is gone)
         # record_transfer_deferred's queue first, then the producers' own (deferred_queue())
         self._deferred = DeferredQueue(_build_deferred_call, max_queue)
@@ -169,6 +181,8 @@ class HiCacheTelemetry:
         self._failure_slot = slots[sc.METRIC_TRANSFER_FAILURES]
         self._drop_slot = slots[sc.METRIC_DROPPED_TOKENS]
         self._evicted_slot = slots[sc.METRIC_EVICTION_TOKENS]
+        self._wasted_slot = slots[sc.METRIC_WASTED_SIZE]
+        self._mismatch_slot = slots[sc.METRIC_ENGINE_MISMATCH]
         self._prefill_slot = slots[sc.METRIC_PREFILL_TOKENS]
         self._rejected_slot = slots[sc.METRIC_RECORDS_REJECTED]
         self._normalized_slot = slots[sc.METRIC_RECORDS_NORMALIZED]
@@ -334,32 +348,79 @@ class HiCacheTelemetry:
             self._warn_once(RecordKind.DROP, problem, "record corrected and counted")
 
     def record_eviction(self, eviction: EvictionRecord) -> None:
-        """Count one eviction pass and queue its duration. Never raises."""
+        """Count one eviction pass (per entry, when it has entries: reuse, age, wasted bytes) and queue its duration
+        and ages. Never raises."""
         checked = self._checked(RecordKind.EVICTION, validation.eviction, eviction)
         if checked is None:
             return
-        tier, tokens, duration_s, time_ns = checked
+        tier, tokens, duration_s, time_ns, entries = checked
+        by_reuse: dict[bool | None, int] = {}
+        adds: list[tuple[int, int]] = []
+        for entry in entries:
+            by_reuse[entry.reused] = by_reuse.get(entry.reused, 0) + entry.tokens
+            if entry.unread_bytes:
+                adds.append((self._wasted_slot[(entry.written_by,)], entry.unread_bytes))
+        unknown = tokens - sum(by_reuse.values())  # tokens of the pass no entry accounts for
+        if unknown or not by_reuse:
+            by_reuse[None] = by_reuse.get(None, 0) + unknown
+        adds += [(self._evicted_slot[(tier, reused)], n) for reused, n in by_reuse.items()]
+        ages = [entry.idle_s for entry in entries if entry.idle_s is not None]
         with self._lock:
-            if not self._apply([(self._evicted_slot[(tier,)], tokens)]):
+            if not self._apply(adds):
                 queued = None
             else:
-                try:
-                    queued = not self._closed and self._channel.put_eviction(tier, tokens, duration_s, time_ns)
-                except Exception:  # nothing published
-                    queued = False
+                queued = self._put_points(sc.METRIC_EVICTION_DURATION, tier, [duration_s], time_ns, None)
+                if ages and queued:
+                    queued = self._put_points(sc.METRIC_EVICTION_AGE, tier, ages, time_ns, None)
                 if not queued:
                     self._ints[self._dropped_slot[(RecordKind.EVICTION,)]] += 1
         if queued is None:
             self._reject(RecordKind.EVICTION, Problem.ABSURD_COUNT)
             return
+        self._queued(RecordKind.EVICTION, queued)
+
+    def record_kv_wait(self, wait: KvWait, request_span: Span | None = None) -> None:
+        """Queue how long one request's prefill waited for its KV from one tier (``hicache.request.kv_wait``); put it
+        on ``request_span`` (``hicache.kv_wait.<tier>``, seconds) when given, whose trace the histogram's exemplar
+        then links to. Never raises."""
+        checked = self._checked(RecordKind.KV_WAIT, validation.kv_wait, wait)
+        if checked is None:
+            return
+        tier, seconds, time_ns = checked
+        context = None
+        if request_span is not None:
+            try:
+                context = validation.link(request_span.get_span_context())
+                if request_span.is_recording():
+                    request_span.set_attribute(f"{sc.ATTR_KV_WAIT}.{tier.value}", seconds)
+            except Exception:
+                _log.debug("otel_hicache: reading or annotating a request span failed", exc_info=True)
+        with self._lock:
+            queued = self._put_points(sc.METRIC_REQUEST_KV_WAIT, tier, [seconds], time_ns, context)
+            if not queued:
+                self._ints[self._dropped_slot[(RecordKind.KV_WAIT,)]] += 1
+        self._queued(RecordKind.KV_WAIT, queued)
+
+    def _put_points(
+        self, name: str, tier: Tier, values: list[float], time_ns: int, context: validation.Link | None
+    ) -> bool:
+        """Queue histogram points (under the lock); False when they could not be queued."""
+        try:  # all or nothing: a failure leaves the ring as it was
+            return not self._closed and self._channel.put_points(name, tier, values, time_ns, context)
+        except Exception:
+            return False
+
+    def _queued(self, kind: RecordKind, queued: bool) -> None:
+        """After a record was counted: start the consumer on first use, and say once if its points were lost."""
         if not self._consumer_started:
             self._start()
         if not queued:
-            self._span_lost(RecordKind.EVICTION)
+            self._span_lost(kind)
 
-    def record_prefix_split(self, split: PrefixSplit, request_span: Span | None = None) -> None:
-        """Count one admitted prefill by mode; put the split on ``request_span`` when given. Never raises."""
-        counts = self._checked(RecordKind.PREFIX_SPLIT, validation.prefix_split, split)
+    def record_prefix_split(self, split: PrefixSplit, request_span: Span | None = None, *, other_hit: int = 0) -> None:
+        """Count one admitted prefill by mode; put the split on ``request_span`` when given. ``other_hit``: tokens
+        hit in a way otel_hicache does not know (an engine's new counter), counted as mode ``other``. Never raises."""
+        counts = self._checked(RecordKind.PREFIX_SPLIT, validation.prefix_split, split, other_hit)
         if counts is None:
             return
         self._add([(self._prefill_slot[(mode,)], n) for mode, n in counts.items()])
@@ -382,6 +443,21 @@ class HiCacheTelemetry:
         if source in self._pool_sources:
             self._pool_sources.remove(source)
 
+    def add_engine_check(self, check: EngineCheck) -> None:
+        """Register an engine self-check: ``check()`` returns the names (``semconv.METRIC_*``) of our instruments
+        whose totals disagree with the engine's own counters in this process; each name counts one
+        ``otel_hicache.engine.mismatch`` with a one-time warning. It runs on a host thread about once a second and
+        before each flush and snapshot, never on the hot path and never two at once; it may call :meth:`snapshot`.
+        Our records can lag the engine's counters (deferred records, a count the engine makes after ours): the check
+        reports a mismatch only when it is real. A check that raises is skipped and counted."""
+        self._engine_checks.append(check)
+        if self._worker is None:
+            self._start_worker()
+
+    def remove_engine_check(self, check: EngineCheck) -> None:
+        if check in self._engine_checks:
+            self._engine_checks.remove(check)
+
     # ------------------------------------------------------------------ reading and lifecycle
     @property
     def export_pid(self) -> int | None:
@@ -391,6 +467,7 @@ class HiCacheTelemetry:
     def snapshot(self) -> dict[str, dict[tuple[Any, ...], int]]:
         """The cumulative counter values by metric name and attribute values (exact: deferred records counted)."""
         self._settle(SETTLE_TIMEOUT_S)
+        self._run_engine_checks()
         with self._lock:
             return self._channel.counters.snapshot()
 
@@ -400,6 +477,7 @@ class HiCacheTelemetry:
         are read by the host thread about once a second, and before each in-process collection.)"""
         deadline = time.monotonic() + timeout_s
         settled = self._settle(timeout_s)
+        self._run_engine_checks()
         if not self._consumer_started:
             self._start()
         if not self._consumer_started:
@@ -501,9 +579,10 @@ class HiCacheTelemetry:
         backlog = sum(len(queue) for queue in self._queues) > self._max_queue * BACKLOG_SHARE
         busy = self._build_deferred(2 * SLICE_NS if backlog else SLICE_NS)
         now = time.monotonic()
-        if self._pool_sources and now >= state["pools"]:
+        if (self._pool_sources or self._engine_checks) and now >= state["pools"]:
             state["pools"] = now + POOL_INTERVAL_S
             self._read_pools()
+            self._run_engine_checks()
             busy = True
         if self._consumer_started and (now >= state["drain"] or self._channel.pending() > self._max_queue // 2):
             if not self._consumer.drain(SLICE_NS):
@@ -560,6 +639,35 @@ class HiCacheTelemetry:
     def _before_collect(self) -> None:
         self._settle(SETTLE_TIMEOUT_S / 2)
         self._read_pools()
+        self._run_engine_checks()
+
+    def _run_engine_checks(self) -> None:
+        """Run every engine check (outside the telemetry's lock) and count what they report."""
+        if not self._engine_checks or not self._checking.acquire(blocking=False):
+            return  # none, or running on another thread (or a check called snapshot())
+        try:
+            for check in list(self._engine_checks):
+                try:
+                    names = list(check())
+                except Exception:
+                    self._reject(RecordKind.ENGINE_CHECK, Problem.SOURCE_FAILED)
+                    continue
+                for name in names:
+                    slot = self._mismatch_slot.get((name,)) if type(name) is str else None  # plain strings only
+                    if slot is None:
+                        self._reject(RecordKind.ENGINE_CHECK, Problem.MALFORMED)
+                        continue
+                    self._add([(slot, 1)])
+                    if ("mismatch", name) not in self._warned:
+                        self._warned.add(("mismatch", name))
+                        _log.warning(
+                            "otel_hicache: %s disagrees with the engine's own counter in this process (an engine "
+                            "change the adapter does not know?); counted in %s.",
+                            name,
+                            sc.METRIC_ENGINE_MISMATCH,
+                        )
+        finally:
+            self._checking.release()
 
     def _read_pools(self) -> None:
         """Read every pool source (outside the lock: a source may be slow) and replace the gauges at once."""
@@ -605,6 +713,7 @@ class HiCacheTelemetry:
         """Start from zero, as a new process: new lock, table and ring, no threads; the parent's are untouched."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._checking = threading.Lock()
         self._worker = None
         self._building = False
         for queue in self._queues:
@@ -617,7 +726,7 @@ class HiCacheTelemetry:
             self._channel = Channel(self._layout, self._max_queue, shared=True)
             self._bind(self._channel)
         self._consumer = self._consumer.after_fork_in_child(self._channel)
-        if self._pool_sources or len(self._queues) > 1:  # a producer's queue fills with no call to start it
+        if self._pool_sources or self._engine_checks or len(self._queues) > 1:  # nothing else would start it
             self._start_worker()
 
 
@@ -687,7 +796,7 @@ class InProcessConsumer:
         self._emit_lock = threading.Lock()  # the channel was reset in place: the emitter reads the child's counts
         return self
 
-    def _emit(self, records: list[TransferRecord | EvictionRecord]) -> None:
+    def _emit(self, records: list[Record]) -> None:
         for record in records:
             try:
                 self._emitter.emit(record)

@@ -15,13 +15,26 @@ from typing import Any, NamedTuple, TypeVar
 from opentelemetry.trace import SpanContext
 
 from otel_hicache import semconv as sc
-from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferFailure, TransferRecord
+from otel_hicache.records import (
+    DropRecord,
+    EvictedEntry,
+    EvictionRecord,
+    KvWait,
+    PoolUsage,
+    PrefixSplit,
+    TransferFailure,
+    TransferRecord,
+)
 from otel_hicache.semconv import DropReason, PrefillMode, Problem, Tier, TimingSource, TransferOperation
 
 #: Anything above these is a corrupted record, not a transfer (2**40 tokens, 1 PiB, one day).
 MAX_TOKENS = 1 << 40
 MAX_BYTES = 1 << 50
 MAX_DURATION_S = 86_400.0
+#: The oldest an evicted entry may have been idle (a year): older is a clock mix-up, not an age.
+MAX_AGE_S = 365 * 86_400.0
+#: Entries one eviction record may detail.
+MAX_ENTRIES = 1 << 20
 #: Longest write policy / io backend kept on a span, in UTF-8 bytes.
 MAX_LABEL_BYTES = 32
 
@@ -95,8 +108,8 @@ def count(value: Any, limit: int = MAX_TOKENS) -> int:
     return int(value)
 
 
-def duration(value: Any) -> float:
-    """A duration in seconds as ``float`` in ``[0, MAX_DURATION_S]``; strings, bools and NaN are refused."""
+def duration(value: Any, limit: float = MAX_DURATION_S) -> float:
+    """A duration in seconds as ``float`` in ``[0, limit]``; strings, bools and NaN are refused."""
     if type(value) is not float:
         if value is None or isinstance(value, (bool, str, bytes)):
             raise Rejected(Problem.BAD_DURATION)
@@ -104,7 +117,7 @@ def duration(value: Any) -> float:
             value = float(value)
         except Exception:
             raise Rejected(Problem.BAD_DURATION) from None
-    if not 0.0 <= value <= MAX_DURATION_S:  # also NaN
+    if not 0.0 <= value <= limit:  # also NaN
         raise Rejected(Problem.BAD_DURATION)
     return value
 
@@ -161,7 +174,7 @@ def _label(value: Any, corrections: list[Problem]) -> str | None:
     return None
 
 
-def _link(candidate: Any) -> Link | None:
+def link(candidate: Any) -> Link | None:
     """A span context read once into plain values, or None: a valid one whose ids fit W3C's 128 and 64 bits (what
     a link on the wire can carry). Nothing of the producer's object is touched after this."""
     if not isinstance(candidate, SpanContext):
@@ -185,7 +198,7 @@ def _links(value: Any, corrections: list[Problem]) -> tuple[Link, ...]:
     except Exception:
         corrections.append(Problem.BAD_LINK)
         return ()
-    links = tuple(link for link in map(_link, candidates) if link is not None)
+    links = tuple(link for link in map(link, candidates) if link is not None)
     if len(links) != len(candidates):
         corrections.append(Problem.BAD_LINK)
     if len(links) > sc.MAX_LINKS:
@@ -340,28 +353,114 @@ def failure(record: Any) -> tuple[TransferOperation, str]:
 
 
 def drop(record: Any, known: Pools, corrections: list[Problem]) -> tuple[DropReason, list[tuple[str, int]]]:
+    """``(reason, tokens per pool)``; a reason we do not know is counted as ``other`` (noted in ``corrections``)."""
     if not isinstance(record, DropRecord):
         raise Rejected(Problem.MALFORMED)
-    reason = REASONS.get(record.reason) if isinstance(record.reason, str) else None
+    try:
+        reason = REASONS.get(record.reason)
+    except TypeError:  # unhashable
+        reason = None
     if reason is None:
-        raise Rejected(Problem.UNKNOWN_REASON)
+        corrections.append(Problem.UNKNOWN_REASON)
+        reason = DropReason.OTHER
     return reason, pool_counts(record.tokens_by_pool, known, MAX_TOKENS, corrections)
 
 
-def eviction(record: Any) -> tuple[Tier, int, float, int]:
-    """``(tier, tokens, duration, time)`` of an :class:`~otel_hicache.records.EvictionRecord`."""
+class Entry(NamedTuple):
+    """A checked :class:`~otel_hicache.records.EvictedEntry`."""
+
+    tokens: int
+    idle_s: float | None
+    reused: bool | None
+    unread_bytes: int
+    written_by: TransferOperation
+
+
+class Eviction(NamedTuple):
+    """A checked eviction pass."""
+
+    tier: Tier
+    tokens: int
+    duration_s: float
+    time_ns: int
+    entries: list[Entry]
+
+
+#: What wrote the bytes of an entry evicted from a tier, when the producer does not say.
+WRITTEN_BY: dict[Tier, TransferOperation] = {
+    Tier.HOST: TransferOperation.BACKUP,
+    Tier.STORAGE: TransferOperation.STORAGE_BACKUP,
+    Tier.DEVICE: TransferOperation.LOAD_BACK,
+}
+
+
+def eviction(record: Any) -> Eviction:
+    """A checked :class:`~otel_hicache.records.EvictionRecord`, its entries included (read once)."""
     if not isinstance(record, EvictionRecord):
         raise Rejected(Problem.MALFORMED)
-    tier = TIERS.get(record.tier) if isinstance(record.tier, str) else None
-    if tier is None:
+    tier = _member(TIERS, record.tier, Problem.UNKNOWN_TIER)
+    tokens = count(record.num_tokens)
+    entries = [_entry(entry, tier) for entry in _sequence(record.entries, MAX_ENTRIES)]
+    if sum(entry.tokens for entry in entries) > tokens:
+        raise Rejected(Problem.ENTRIES_EXCEED_TOTAL)
+    return Eviction(tier, tokens, duration(record.duration_s), count(record.time_ns, MAX_TIME_NS), entries)
+
+
+def _sequence(value: Any, limit: int) -> list[Any]:
+    if not value:
+        return []
+    if isinstance(value, (str, bytes, Mapping)):
+        raise Rejected(Problem.MALFORMED)
+    try:
+        items = list(value)
+    except Exception:
+        raise Rejected(Problem.MALFORMED) from None
+    if len(items) > limit:
+        raise Rejected(Problem.ABSURD_COUNT)
+    return items
+
+
+def _entry(entry: Any, tier: Tier) -> Entry:
+    if not isinstance(entry, EvictedEntry):
+        raise Rejected(Problem.MALFORMED)
+    tokens, idle_s, reused, unread, written_by = entry
+    return Entry(
+        count(tokens),
+        None if idle_s is None else duration(idle_s, MAX_AGE_S),
+        _flag(reused),
+        count(unread, MAX_BYTES),
+        WRITTEN_BY[tier] if written_by is None else _member(OPERATIONS, written_by, Problem.UNKNOWN_OPERATION),
+    )
+
+
+def _flag(value: Any) -> bool | None:
+    """A boolean (numpy's included) or None."""
+    if value is None or type(value) is bool:
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):  # without importing numpy
+        return bool(value)
+    raise Rejected(Problem.MALFORMED)
+
+
+def kv_wait(record: Any) -> tuple[Tier, float, int]:
+    """``(tier, seconds, time)`` of a :class:`~otel_hicache.records.KvWait`; only host and storage serve KV."""
+    if not isinstance(record, KvWait):
+        raise Rejected(Problem.MALFORMED)
+    tier = _member(TIERS, record.tier, Problem.UNKNOWN_TIER)
+    if tier is Tier.DEVICE:
         raise Rejected(Problem.UNKNOWN_TIER)
-    return tier, count(record.num_tokens), duration(record.duration_s), count(record.time_ns, MAX_TIME_NS)
+    return tier, duration(record.wait_s), count(record.time_ns, MAX_TIME_NS)
 
 
-def prefix_split(record: Any) -> dict[PrefillMode, int]:
+def prefix_split(record: Any, other_hit: Any = 0) -> dict[PrefillMode, int]:
+    """Tokens per mode; ``other`` only when ``other_hit`` (hits of a kind we do not know) has some."""
     if not isinstance(record, PrefixSplit):
         raise Rejected(Problem.MALFORMED)
-    return {mode: count(n) for mode, n in record.by_mode().items()}
+    modes = {mode: count(n) for mode, n in record.by_mode().items()}
+    other = count(other_hit)
+    if other:
+        modes[PrefillMode.OTHER] = other
+    return modes
 
 
 def pool_usages(entries: Iterable[Any], known: Pools, corrections: list[Problem]) -> list[tuple[Tier, str, int, int]]:

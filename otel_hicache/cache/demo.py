@@ -153,7 +153,7 @@ def _result(cache: HiCache, served: int, wall: float, device: str, policy: str) 
         copied_bytes=nbytes,
         dropped_tokens={r: by_pool.get("kv", 0) for r, by_pool in dropped_by_pool.items()},
         dropped_tokens_by_pool=dropped_by_pool,
-        prefix_tokens={m.value: cache.stats.prefix.get(m.value, 0) for m in PrefillMode},
+        prefix_tokens={m.value: cache.stats.prefix.get(m.value, 0) for m in PrefillMode if m is not PrefillMode.OTHER},
         evicted_tokens={t.value: cache.stats.evicted.get(t.value, 0) for t in (Tier.DEVICE, Tier.HOST)},
         transfer_failures=failures,
     )

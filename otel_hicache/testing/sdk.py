@@ -65,7 +65,7 @@ class Sdk:
             return {}
         return {frozenset(p.attributes.items()): p for p in metric.data.data_points}
 
-    def value(self, name: str, attributes: dict[str, str]) -> Any:
+    def value(self, name: str, attributes: dict[str, Any]) -> Any:
         point = self.points(name).get(frozenset(attributes.items()))
         return None if point is None else point.value
 

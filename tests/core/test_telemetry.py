@@ -15,7 +15,9 @@ from otel_hicache import semconv as sc
 from otel_hicache import validation
 from otel_hicache.records import (
     DropRecord,
+    EvictedEntry,
     EvictionRecord,
+    KvWait,
     PoolUsage,
     PrefixSplit,
     TransferFailure,
@@ -50,7 +52,8 @@ def op_pool(op: str, pool: str) -> dict[str, str]:
 class TestMetricPoints:
     def test_every_instrument_has_its_name_unit_and_kind(self, sdk: Sdk) -> None:
         sdk.telemetry.record_transfer(backup())
-        sdk.telemetry.record_eviction(EvictionRecord(Tier.DEVICE, 8, 0.01, T0))
+        sdk.telemetry.record_eviction(EvictionRecord(Tier.DEVICE, 8, 0.01, T0, [EvictedEntry(8, idle_s=3.0)]))
+        sdk.telemetry.record_kv_wait(KvWait(Tier.HOST, 0.002, T0))
         sdk.telemetry.record_failure(TransferFailure(TransferOperation.LOAD_BACK, "device_pool_full", {"kv": 4}, T0))
         sdk.telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.HOST, "kv", 10, 100)])
         sdk.telemetry.record_transfer(backup(tokens={"bogus": 1}))  # normalized
@@ -62,8 +65,8 @@ class TestMetricPoints:
             "observable_up_down_counter": Sum,
         }
         for spec in sc.INSTRUMENTS:
-            if spec.name == sc.METRIC_RECORDS_DROPPED:
-                continue  # only appears once a record was dropped: see TestQueue
+            if spec.name in (sc.METRIC_RECORDS_DROPPED, sc.METRIC_ENGINE_MISMATCH):
+                continue  # only appear once a record was dropped (see TestQueue) or a check failed (TestEngineChecks)
             metric = metrics[spec.name]
             assert metric.unit == spec.unit, spec.name
             assert metric.description == spec.description
@@ -79,12 +82,23 @@ class TestMetricPoints:
             for source in TimingSource:  # bandwidth = bytes / duration of one timing source, from the start
                 size = {sc.ATTR_OPERATION: op.value, sc.ATTR_TIMING_SOURCE: source.value}
                 assert sdk.value(sc.METRIC_TRANSFER_SIZE, size) == 0
-        for reason in DropReason:
+        for reason in (DropReason.HOST_PRESSURE, DropReason.WRITE_THROUGH_UNBACKED_EVICTION):
             assert sdk.value(sc.METRIC_DROPPED_TOKENS, {sc.ATTR_DROP_REASON: reason.value, sc.ATTR_POOL: "kv"}) == 0
-        for mode in PrefillMode:
+        for mode in (PrefillMode.INPUT, PrefillMode.DEVICE_HIT, PrefillMode.HOST_HIT, PrefillMode.STORAGE_HIT):
             assert sdk.value(sc.METRIC_PREFILL_TOKENS, {sc.ATTR_PREFILL_MODE: mode.value}) == 0
         for tier in (Tier.DEVICE, Tier.HOST):
             assert sdk.value(sc.METRIC_EVICTION_TOKENS, {sc.ATTR_TIER: tier.value}) == 0
+            for reused in (True, False):
+                assert (
+                    sdk.value(sc.METRIC_EVICTION_TOKENS, {sc.ATTR_TIER: tier.value, sc.ATTR_EVICTION_REUSED: reused})
+                    == 0
+                )
+        for op in (TransferOperation.BACKUP, TransferOperation.STORAGE_BACKUP):
+            assert sdk.value(sc.METRIC_WASTED_SIZE, {sc.ATTR_OPERATION: op.value}) == 0
+        # "other" appears only when something unknown is reported
+        other_reason = {sc.ATTR_DROP_REASON: "other", sc.ATTR_POOL: "kv"}
+        assert sdk.value(sc.METRIC_DROPPED_TOKENS, other_reason) is None
+        assert sdk.value(sc.METRIC_PREFILL_TOKENS, {sc.ATTR_PREFILL_MODE: "other"}) is None
 
     def test_transfer_tokens_and_bytes_add_up_per_operation_and_pool(self, sdk: Sdk) -> None:
         tel = sdk.telemetry
@@ -137,7 +151,7 @@ class TestMetricPoints:
             sdk.value(sc.METRIC_DROPPED_TOKENS, {**drop, sc.ATTR_DROP_REASON: "write_through_unbacked_eviction"}) == 5
         )
         modes = {m.value: sdk.value(sc.METRIC_PREFILL_TOKENS, {sc.ATTR_PREFILL_MODE: m.value}) for m in PrefillMode}
-        assert modes == {"input": 110, "device_hit": 50, "host_hit": 30, "storage_hit": 25}
+        assert modes == {"input": 110, "device_hit": 50, "host_hit": 30, "storage_hit": 25, "other": None}
         assert sdk.value(sc.METRIC_EVICTION_TOKENS, {sc.ATTR_TIER: "device"}) == 64
         assert sdk.value(sc.METRIC_EVICTION_TOKENS, {sc.ATTR_TIER: "host"}) == 16
         evict = sdk.points(sc.METRIC_EVICTION_DURATION)[frozenset({sc.ATTR_TIER: "device"}.items())]
@@ -425,7 +439,6 @@ class TestNeverHarmTheHost:
             for k, p in sdk.points(sc.METRIC_RECORDS_REJECTED).items()
         }
         assert problems == {
-            ("drop", "unknown_reason"): 1,
             ("eviction", "unknown_tier"): 1,
             ("eviction", "bad_duration"): 1,
             ("prefix_split", "negative_count"): 1,

@@ -251,7 +251,7 @@ def test_a_timestamp_past_int64_is_refused_whole(sdk: Sdk) -> None:
     sdk.telemetry.record_eviction(EvictionRecord(Tier.DEVICE, 5, 0.001, 1 << 63))
     sdk.telemetry.record_transfer(backup({"kv": 5}, submit_time_ns=1 << 64, complete_time_ns=1 << 64))
     snap = sdk.telemetry.snapshot()
-    assert snap[sc.METRIC_EVICTION_TOKENS][("device",)] == 0 and kv(sdk) == 0
+    assert snap[sc.METRIC_EVICTION_TOKENS][("device", None)] == 0 and kv(sdk) == 0
     assert snap[sc.METRIC_RECORDS_REJECTED] == {("eviction", "absurd_count"): 1, ("transfer", "absurd_count"): 1}
 
 

@@ -17,6 +17,7 @@ pytest.importorskip("sglang")
 from prometheus_client import REGISTRY
 
 from otel_hicache import semconv as sc
+from otel_hicache.summary import by_first
 from otel_hicache.testing.sdk import Sdk
 from otel_hicache.testing.sglang import build_hicache
 
@@ -55,7 +56,7 @@ def otel_values(otel: Sdk) -> dict[str, float]:
         "backup_bytes": size.get(("backup", None, "none"), 0),
         "load_back_kv": tokens.get(("load_back", "kv"), 0),
         "load_back_bytes": size.get(("load_back", None, "none"), 0),
-        "evicted": snap[sc.METRIC_EVICTION_TOKENS].get(("device",), 0),
+        "evicted": by_first(snap[sc.METRIC_EVICTION_TOKENS]).get("device", 0),
         "dropped_host_pressure": dropped.get(("host_pressure", "kv"), 0),
         "dropped_unbacked": dropped.get(("write_through_unbacked_eviction", "kv"), 0),
     }

@@ -28,7 +28,7 @@ STORAGE_LABELS = {"storage_backend": "file"}
 SCHEDULER_LABELS = {"model_name": "dummy", "engine_type": "unified", "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
 RADIX_LABELS = {"cache_type": "UnifiedRadixCache", "tp_rank": "0"}
 PAGE = 4  # L3 stores whole pages: one file per page
-MODES = [m.value for m in sc.PrefillMode]
+MODES = [m.value for m in sc.PrefillMode if m is not sc.PrefillMode.OTHER]  # SGLang's four
 
 
 def prom(name: str, labels: dict[str, str], **extra: str) -> float:

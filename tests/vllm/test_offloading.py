@@ -118,7 +118,7 @@ def test_uninstrument_restores_vllms_classes(instrumented: Sdk) -> None:
 def test_chunks_vllms_manager_evicts_are_host_tier_evictions_in_tokens(instrumented: Sdk) -> None:
     engine = support.engine(cpu_chunks=8)
     support.run_workload(engine)  # the third store (5 chunks) finds 4 free: vLLM's LRU policy evicts one chunk
-    assert instrumented.counters()["hicache.eviction.tokens"][("host",)] == 1 * support.BLOCK_SIZE
+    assert instrumented.counters()["hicache.eviction.tokens"][("host", None)] == 1 * support.BLOCK_SIZE
 
 
 def test_a_store_flushed_at_preemption_is_one_transfer_as_vllm_counts_it(instrumented: Sdk) -> None:
