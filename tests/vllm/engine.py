@@ -291,7 +291,7 @@ def holds_what_vllm_counted(exported: Exported, vllm: dict[str, float]) -> bool:
 
 def assert_transfers_equal_vllms(exported: Exported, vllm: dict[str, float], operation: str, direction: str) -> None:
     """Bytes, time and count of one direction, summed over the processes, equal vLLM's own series (which sum its
-    workers), and so do failed allocations."""
+    workers), and so do failed allocations; the workers' self-checks found no mismatch."""
     op = {"hicache.operation": operation}
     assert exported.total("hicache.transfer.size", op) == vllm_total(vllm, f"vllm:kv_offload_{direction}_bytes_total")
     assert exported.total("hicache.transfer.size", op) > 0
@@ -302,6 +302,7 @@ def assert_transfers_equal_vllms(exported: Exported, vllm: dict[str, float], ope
         vllm, f"vllm:kv_offload_{direction}_size_count"
     )
     assert exported.total("hicache.transfer.failures") == vllm_total(vllm, "vllm:kv_offload_allocation_failure_total")
+    assert exported.total("otel_hicache.engine.mismatch") == 0
 
 
 def main() -> None:

@@ -29,6 +29,10 @@ with ``DirectionalTransferStats.record`` and  (``CPU_to_GPU``) span and transfer
                                               another worker. A result without size and time (third-party workers),
                                               which vLLM does not count: a transfer of its tokens and blocks with no
                                               bytes and no duration (timing source ``none``)
+``OffloadingConnectorWorker.build_connector_  the self-check: what vLLM's worker counted (bytes, timed transfers,
+worker_meta``                                 seconds per direction), handed over each step, beside what we recorded;
+                                              an instrument that drifts from it counts ``otel_hicache.engine.mismatch``
+                                              (one warning)
 ``OffloadingConnectorStats.increase_counter`` ``hicache.transfer.failures{operation=backup, error.type=host_pool_full}``
 (``vllm:kv_offload_allocation_failure``)      per failed CPU-tier allocation
 ``CPUOffloadingSpec.get_manager``             ``hicache.pool.usage`` / ``.limit`` of tier ``host``: chunks holding KV

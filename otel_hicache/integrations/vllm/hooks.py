@@ -14,6 +14,13 @@ group's tokens are its GPU blocks in the transfer x its tokens per block, and a 
 groups' (vLLM splits the layers of one kind into several groups of equal size, which cover the same positions), never
 their sum. Bytes, time and the block count (``hicache.transfer.nodes``) cover every group.
 
+Self-check: vLLM's worker role keeps its own transfer counters in the same process (``DirectionalTransferStats`` of
+its ``OffloadingWorkerMetadata``, handed to the scheduler by ``build_connector_worker_meta`` every step). At each
+hand-over, what vLLM counted (bytes, timed transfers and their seconds, per direction) is set beside what we recorded,
+on the worker's own thread, so the pair is consistent; the telemetry's engine check reports an instrument whose totals
+drifted apart since the last report (``otel_hicache.engine.mismatch``, one warning): an adapter that undercounts after
+a vLLM change says so.
+
 Failure rule: our code never raises into vLLM. If a wrapper's own code fails it logs once per hook and vLLM's call
 goes on untouched; vLLM's method is called exactly once and an exception it raises propagates unchanged. What vLLM
 had counted before it raised part-way through ``get_finished`` is still reported. Nothing here synchronises a device:
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import threading
 import time
 import weakref
@@ -32,7 +40,14 @@ from typing import Any, NamedTuple, Protocol
 
 from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE, group_pool
 from otel_hicache.records import EvictionRecord, PoolUsage, TransferFailure, TransferRecord
-from otel_hicache.semconv import DEFAULT_POOL, Tier, TimingSource, TransferOperation
+from otel_hicache.semconv import (
+    DEFAULT_POOL,
+    METRIC_TRANSFER_DURATION,
+    METRIC_TRANSFER_SIZE,
+    Tier,
+    TimingSource,
+    TransferOperation,
+)
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import now_ns
 
@@ -91,16 +106,87 @@ class _Completed(NamedTuple):
     kwargs: dict
 
 
-class _Connector:
-    """One ``OffloadingConnectorWorker``'s KV groups and submitted transfers, by vLLM job id."""
+#: Per direction (backup, load back): bytes, timed transfers, their seconds.
+_Totals = tuple[tuple[float, ...], ...]
+_DIRECTIONS = (TransferOperation.BACKUP, TransferOperation.LOAD_BACK)
 
-    __slots__ = ("groups", "pending", "sink", "worker_timing")
+
+class _Connector:
+    """One ``OffloadingConnectorWorker``'s KV groups and submitted transfers (by vLLM job id), and the totals the
+    self-check compares."""
+
+    __slots__ = ("__weakref__", "compared", "groups", "ours", "pending", "sink", "theirs", "worker_timing")
 
     def __init__(self, sink: HiCacheTelemetry | None, groups: tuple[_Group, ...]) -> None:
         self.sink = sink
         self.groups = groups
         self.pending: dict[int, _Pending] = {}
         self.worker_timing: TimingSource | None = None
+        # [bytes, timed count, seconds] per direction: what we recorded, what vLLM handed over
+        self.ours = {op: [0.0, 0.0, 0.0] for op in _DIRECTIONS}
+        self.theirs = {op: [0.0, 0.0, 0.0] for op in _DIRECTIONS}
+        self.compared: tuple[_Totals, _Totals] | None = None  # (ours, theirs) at the last hand-over
+
+    def tally(self, record: TransferRecord) -> None:
+        totals = self.ours.get(record.operation)
+        if totals is not None and record.copy_duration_s is not None:
+            totals[0] += record.num_bytes if type(record.num_bytes) is int else 0
+            totals[1] += 1
+            totals[2] += record.copy_duration_s if isinstance(record.copy_duration_s, float) else 0.0
+
+    def handed_over(self, transfer_stats: Any) -> None:
+        """vLLM handed its counts since the last hand-over to the scheduler: set ours beside them."""
+        for op, stats in zip(_DIRECTIONS, (transfer_stats.store, transfer_stats.load), strict=True):
+            theirs = self.theirs[op]
+            theirs[0] += stats.bytes
+            theirs[1] += len(stats.sizes)
+            theirs[2] += stats.time
+        self.compared = (
+            tuple(tuple(self.ours[op]) for op in _DIRECTIONS),
+            tuple(tuple(self.theirs[op]) for op in _DIRECTIONS),
+        )
+
+
+class _TransferCheck:
+    """The engine check of one connector: the instruments whose totals differ from vLLM's, each time the difference
+    changed (a persistent difference is one mismatch, not one a second)."""
+
+    __slots__ = ("_connector", "_reported", "_sink")
+
+    def __init__(self, connector: _Connector, sink: HiCacheTelemetry) -> None:
+        self._connector = weakref.ref(connector)
+        self._sink = sink
+        self._reported: dict[str, tuple[float, ...]] = {}
+
+    def __call__(self) -> list[str]:
+        connector = self._connector()
+        if connector is None:  # the connector is gone
+            self._sink.remove_engine_check(self)
+            return []
+        compared = connector.compared
+        if compared is None:
+            return []
+        ours, theirs = compared
+        differences = {
+            METRIC_TRANSFER_SIZE: tuple(t[0] - o[0] for o, t in zip(ours, theirs, strict=True)),
+            METRIC_TRANSFER_DURATION: tuple(
+                d for o, t in zip(ours, theirs, strict=True) for d in (t[1] - o[1], _time_difference(o[2], t[2]))
+            ),
+        }
+        names = []
+        for name, difference in differences.items():
+            if not all(math.isfinite(d) for d in difference):
+                continue  # vLLM counted something that is not a number: nothing to compare
+            if any(difference) and difference != self._reported.get(name):
+                names.append(name)
+            self._reported[name] = difference
+        return names
+
+
+def _time_difference(ours: float, theirs: float) -> float:
+    """vLLM's seconds minus ours, 0 within rounding (the same values, summed in another order)."""
+    difference = theirs - ours
+    return 0.0 if abs(difference) <= 1e-9 * max(1.0, abs(ours)) else difference
 
 
 class OffloadHooks:
@@ -131,6 +217,8 @@ class OffloadHooks:
             spec = worker.spec
             state = _Connector(self.sinks.for_spec(spec), _groups(spec, worker.kv_cache_config))
             setattr(worker, self._attr, state)
+            if state.sink is not None:
+                state.sink.add_engine_check(_TransferCheck(state, state.sink))
         return state
 
     # ------------------------------------------------------------------ submission: OffloadingConnectorWorker
@@ -246,10 +334,24 @@ class OffloadHooks:
                 entry = state.pending.pop(_job_id(*event.args, **event.kwargs), None)
                 if entry is not None:
                     sizes = None if measured is None else _stats_arguments(*measured.args, **measured.kwargs)
-                    sink.record_transfer(_record(entry, sizes, done_ns, state.worker_timing))
+                    record = _record(entry, sizes, done_ns, state.worker_timing)
+                    sink.record_transfer(record)
+                    state.tally(record)
             except Exception:
                 self._fail("get_finished")
             measured = None
+
+    def build_connector_worker_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``OffloadingConnectorWorker.build_connector_worker_meta``: vLLM hands what it counted since the last call
+        to the scheduler; the self-check's consistent point."""
+        meta = wrapped(*args, **kwargs)
+        try:
+            state = self._connector(instance)
+            if state.sink is not None and meta is not None:
+                state.handed_over(meta.transfer_stats)
+        except Exception:
+            self._fail("build_connector_worker_meta")
+        return meta
 
     # ------------------------------------------------------------------ scheduler side
     def increase_counter(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

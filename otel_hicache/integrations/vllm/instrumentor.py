@@ -32,6 +32,7 @@ _TARGETS: Final[tuple[tuple[Target, str], ...]] = (
     (Target(_WORKER, "OffloadingConnectorWorker", "handle_preemptions"), "handle_preemptions"),
     (Target(_WORKER, "OffloadingConnectorWorker", "start_kv_transfers"), "start_kv_transfers"),
     (Target(_WORKER, "OffloadingConnectorWorker", "get_finished"), "get_finished"),
+    (Target(_WORKER, "OffloadingConnectorWorker", "build_connector_worker_meta"), "build_connector_worker_meta"),
     (Target(_COMMON, "DirectionalTransferStats", "record"), "transfer_stats_record"),
     (Target(_COMMON, "OffloadingWorkerMetadata", "mark_completed"), "mark_completed"),
     (Target(_METRICS, "OffloadingConnectorStats", "increase_counter"), "increase_counter"),
