@@ -129,8 +129,14 @@ def otlp_environment(receiver: OtlpReceiver, service: str) -> dict[str, str]:
 class Server:
     """A running vLLM OpenAI server on ``port``."""
 
-    def __init__(self, process: subprocess.Popen[str], port: int, model: str) -> None:
-        self.process, self.port, self.model = process, port, model
+    def __init__(self, process: subprocess.Popen[str], port: int, model: str, log: Any) -> None:
+        self.process, self.port, self.model, self._log = process, port, model, log
+
+    def log(self) -> str:
+        """What the server's processes wrote so far (stdout and stderr)."""
+        self._log.flush()
+        with open(self._log.name) as f:
+            return f.read()
 
     def complete(self, text: str, max_tokens: int = 4, headers: dict[str, str] | None = None) -> dict[str, Any]:
         body = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0}
@@ -163,14 +169,14 @@ def serve(model: str | os.PathLike[str], cpu_chunks: int, env: dict[str, str], *
             command.append(flag)
         else:
             command += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    with tempfile.TemporaryFile("w+") as log:
+    with tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log") as log:
         process = subprocess.Popen(
             [*command, *flags], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip
-        server = Server(process, port, str(model))
+        server = Server(process, port, str(model), log)
         try:
-            _wait_healthy(server, timeout_s, log)
+            _wait_healthy(server, timeout_s)
             yield server
         finally:
             stop(process)
@@ -187,12 +193,11 @@ def stop(process: subprocess.Popen[str], timeout_s: float = 60) -> None:
         process.wait()
 
 
-def _wait_healthy(server: Server, timeout_s: float, log: Any) -> None:
+def _wait_healthy(server: Server, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"vLLM's server exited at start:\n{log.read()[-4000:]}")
+            raise RuntimeError(f"vLLM's server exited at start:\n{server.log()[-4000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=5):
                 return
@@ -249,6 +254,16 @@ class Exported:
                             found[int(resource["process.pid"])] = (resource, metric)
         return found
 
+    def points(self, name: str, pids: set[int] | None = None) -> list[tuple[dict[str, Any], Any]]:
+        """Every point of each process's latest export of ``name`` (of the processes in ``pids`` when given), with its
+        attributes."""
+        found = []
+        for pid, (_, metric) in self.latest(name).items():
+            if pids is None or pid in pids:
+                for point in getattr(metric, metric.WhichOneof("data")).data_points:
+                    found.append((attributes(point.attributes), point))
+        return found
+
     def total(
         self, name: str, where: Mapping[str, Any] | None = None, *, field: str = "value", pids: set[int] | None = None
     ) -> float:
@@ -256,16 +271,12 @@ class Exported:
         (``field``: ``value`` of a sum or gauge, ``sum`` / ``count`` of a histogram)."""
         wanted = where or {}
         total = 0.0
-        for pid, (_, metric) in self.latest(name).items():
-            if pids is not None and pid not in pids:
-                continue
-            kind = metric.WhichOneof("data")
-            for point in getattr(metric, kind).data_points:
-                if all(attributes(point.attributes).get(k) == v for k, v in wanted.items()):
-                    if field == "value":
-                        total += point.as_int if point.WhichOneof("value") == "as_int" else point.as_double
-                    else:
-                        total += getattr(point, field)
+        for attrs, point in self.points(name, pids):
+            if all(attrs.get(k) == v for k, v in wanted.items()):
+                if field == "value":
+                    total += point.as_int if point.WhichOneof("value") == "as_int" else point.as_double
+                else:
+                    total += getattr(point, field)
         return total
 
     def resources(self, name: str) -> list[dict[str, Any]]:

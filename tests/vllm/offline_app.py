@@ -5,7 +5,8 @@ worker).
 ``python -m tests.vllm.offline_app MODEL --cpu-chunks N --requests 1,2,3,1``: one request at a time, each the prompt
 of that seed (:func:`tests.vllm.engine.prompt`), 4 greedy tokens; then two one-token requests, so the engine steps
 that submit and finish the last prompt's stores (vLLM defers a store to the next step). Prints one JSON line: this
-process's pid, each request's ``num_cached_tokens`` and text, and vLLM's own metrics as its stat loggers hold them
+process's pid, each request's ``num_cached_tokens``, text and ``time.monotonic()`` span (the host's clock, which
+every process shares), and vLLM's own metrics as its stat loggers hold them
 (``prometheus_client.REGISTRY``, ``name{labels}`` -> value; ``LLM.get_metrics()`` would truncate counters to int).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
 #: The line that carries the result starts with this (vLLM logs to stdout too).
@@ -44,8 +46,12 @@ def main() -> None:
     greedy = SamplingParams(max_tokens=4, temperature=0)
     requests = []
     for seed in (int(s) for s in args.requests.split(",")):
+        start = time.monotonic()
         (out,) = llm.generate([prompt(seed)], greedy, use_tqdm=False)
-        requests.append({"seed": seed, "cached": out.num_cached_tokens, "text": out.outputs[0].text})
+        requests.append({
+            "seed": seed, "cached": out.num_cached_tokens, "text": out.outputs[0].text,
+            "start": start, "end": time.monotonic(),
+        })  # fmt: skip
     for word in ("w1", "w2"):
         llm.generate([word], SamplingParams(max_tokens=1), use_tqdm=False)
     metrics = parse_prometheus(prometheus_client.generate_latest().decode())

@@ -153,6 +153,7 @@ def vllm_config(
         * round_up(page * len(LAYERS) * blocks_per_chunk, HostCopySpec.BLOCK_SIZE_ALIGNMENT),
         "block_size": BLOCK_SIZE * blocks_per_chunk,
     }
+    total = page * NUM_GPU_BLOCKS * len(LAYERS)
     config = VllmConfig(
         model_config=tiny_model(),
         kv_transfer_config=KVTransferConfig(
@@ -164,10 +165,10 @@ def vllm_config(
     config.parallel_config.rank = rank
     kv_cache_config = KVCacheConfig(
         num_blocks=NUM_GPU_BLOCKS,
+        # vLLM 0.32: every KVCacheTensor describes placement within one backing allocation, so its size is the
+        # total (what vLLM's offloading config reads as the worker's KV bytes per block x blocks)
         kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * NUM_GPU_BLOCKS, layers=[name], layer_stride=page * NUM_GPU_BLOCKS, block_stride=page
-            )
+            KVCacheTensor(size=total, layers=[name], layer_stride=page * NUM_GPU_BLOCKS, block_stride=page)
             for name in LAYERS
         ],
         kv_cache_groups=(

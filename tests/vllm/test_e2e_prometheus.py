@@ -2,8 +2,9 @@
 serves the Prometheus endpoint a real Prometheus scrapes; the shipped dashboard panels and recording rules return
 data for it with the labels they rely on, as for SGLang and the demo (tests/pipeline/test_e2e_prometheus.py).
 
-vLLM reports transfers, failures, the CPU tier's occupancy and evictions, not prefill hits per tier nor drops: the
-panels and rules built only on those are listed here and return no data for a vLLM-only Prometheus.
+The process drives vLLM's connector without vLLM's scheduler (tests.vllm.offload_app), so it reports transfers,
+failures, the CPU tier's occupancy and evictions, but no prefill (the scheduler's admissions) and vLLM reports no
+drops: the panels and rules built only on those are listed here and return no data for it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tests.pipeline.test_e2e_prometheus import (
 pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-#: What only SGLang-style producers feed: per-tier prefill hits and drops.
+#: What this process cannot feed: per-tier prefill hits (no scheduler admits requests) and drops (vLLM has none).
 NOT_FROM_VLLM_PANELS = {
     "Prefix hit rate by tier",
     "Prefill tokens: computed vs hit per tier",

@@ -9,6 +9,7 @@ through the scheduler role's ``update_connector_output``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -115,10 +116,39 @@ def test_uninstrument_restores_vllms_classes(instrumented: Sdk) -> None:
     VLLMOffloadInstrumentor().instrument(telemetry=instrumented.telemetry)  # the fixture uninstruments
 
 
+def host_evictions(otel: Sdk) -> dict[bool | None, int]:
+    """Evicted tokens of the CPU tier by ``hicache.eviction.reused`` (None: unknown)."""
+    return {reused: n for (tier, reused), n in otel.counters()["hicache.eviction.tokens"].items() if tier == "host"}
+
+
 def test_chunks_vllms_manager_evicts_are_host_tier_evictions_in_tokens(instrumented: Sdk) -> None:
     engine = support.engine(cpu_chunks=8)
     support.run_workload(engine)  # the third store (5 chunks) finds 4 free: vLLM's LRU policy evicts one chunk
-    assert instrumented.counters()["hicache.eviction.tokens"][("host", None)] == 1 * support.BLOCK_SIZE
+    # the first request's, which no load read
+    assert host_evictions(instrumented) == {False: 1 * support.BLOCK_SIZE, True: 0, None: 0}
+
+
+def test_each_evicted_chunk_says_how_long_it_sat_idle_whether_a_load_read_it_and_what_it_wasted(
+    instrumented: Sdk,
+) -> None:
+    """A tier of four chunks: a and b fill it, a is loaded back, then c and d each evict two chunks in vLLM's LRU
+    order (insertion: this harness ends no request, which would refresh it): a's, read, and b's, never read."""
+    engine = support.engine(cpu_chunks=4)
+    a = engine.store("a", [0, 1])
+    assert a is not None and engine.store("b", [2, 3])
+    read = time.monotonic()
+    engine.load("a", a, [10, 11])
+    assert engine.store("c", [4, 5])
+    assert engine.store("d", [6, 7])
+    since_read = time.monotonic() - read
+
+    two_chunks = 2 * support.BLOCK_SIZE  # tokens: a chunk holds one block
+    assert host_evictions(instrumented) == {True: two_chunks, False: two_chunks, None: 0}
+    stored = engine.vllm_stats()["vllm:kv_offload_store_bytes"]
+    assert instrumented.counters()["hicache.wasted.size"][("backup",)] == stored // 4  # b's two of eight chunks
+    (ages,) = instrumented.points("hicache.eviction.age").values()
+    assert ages.count == 4
+    assert 0 < ages.sum <= 2 * since_read + 2 * (time.monotonic() - read)
 
 
 def test_a_store_flushed_at_preemption_is_one_transfer_as_vllm_counts_it(instrumented: Sdk) -> None:

@@ -1,10 +1,18 @@
 """A real vLLM engine, offline: vLLM's ``LLM`` (main, engine-core and worker processes) serving the tiny model with
 its CPU tier, our plugin loaded by vLLM itself in each process, exporting over OTLP into the in-process receiver.
 
-The workload (:mod:`tests.vllm.offline_app`): prompts 1, 2, 3, then 1 again, one at a time. The engine's KV cache
-holds two prompts, so prompt 1 has left it when it comes back, and its KV comes back from the CPU tier (16 chunks:
-room for every prompt's five blocks, no eviction). Everything the plugin exported is compared with vLLM's own
-metrics, as its stat loggers hold them in the main process (``prometheus_client.REGISTRY``).
+The workload (:mod:`tests.vllm.offline_app`), one request at a time, each prompt five blocks: prompts 1, 2, 3, then
+1 again, then 4, 5, 6. The engine's KV cache holds two prompts and the CPU tier three (15 chunks of one block), in
+vLLM's LRU order (a request's chunks are used again when it finishes). So, derived from that alone:
+
+* prompt 1 has left the engine's cache when it comes back: its KV is loaded from the CPU tier, and it is the one
+  request that waits for a load;
+* prompt 4 evicts prompt 2's chunks (never read), prompt 5 prompt 3's (never read), prompt 6 prompt 1's (read by the
+  load): 15 entries, 10 unread chunks wasted, each idle from its last use (prompt 2's and 3's store, prompt 1's load)
+  to its eviction.
+
+Everything the plugin exported is compared with vLLM's own metrics, as its stat loggers hold them in the main process
+(``prometheus_client.REGISTRY``), and with what the workload implies.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from otel_hicache.semconv import PrefillMode
 from otel_hicache.testing.otlp_receiver import OtlpReceiver
 from tests.vllm.engine import (
     BLOCK_BYTES,
@@ -36,9 +45,10 @@ from tests.vllm.offline_app import result
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-CPU_CHUNKS = 16
-REQUESTS = (1, 2, 3, 1)
-DISTINCT_PROMPTS = 3
+CPU_CHUNKS = 15
+REQUESTS = (1, 2, 3, 1, 4, 5, 6)
+CHUNKS_PER_PROMPT = PROMPT_TOKENS // BLOCK_TOKENS
+DISTINCT_PROMPTS = 6
 
 
 @dataclass
@@ -50,6 +60,11 @@ class Run:
 
     def vllm_total(self, name: str, **labels: str) -> float:
         return vllm_total(self.vllm, name, **labels)
+
+    def between(self, used: int, evicted: int) -> tuple[float, float]:
+        """Bounds on the idle time of a chunk last used during request ``used`` and evicted during ``evicted``."""
+        first, last = self.requests[used], self.requests[evicted]
+        return last["start"] - first["end"], last["end"] - first["start"]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +88,8 @@ def offline(tiny_model: Path) -> Iterator[Run]:
 
 
 def test_a_prefix_evicted_from_the_engines_cache_comes_back_from_the_cpu_tier(offline: Run) -> None:
-    first, *_, again = offline.requests
-    assert [r["cached"] for r in offline.requests] == [0, 0, 0, PROMPT_TOKENS]
+    first, again = offline.requests[0], offline.requests[3]
+    assert [r["cached"] for r in offline.requests] == [0, 0, 0, PROMPT_TOKENS, 0, 0, 0]
     assert again["text"] == first["text"]
     assert offline.vllm_total("vllm:prompt_tokens_cached_by_source_total", source="host") == PROMPT_TOKENS
     assert offline.exported.total("hicache.transfer.tokens", {"hicache.operation": "load_back"}) == PROMPT_TOKENS
@@ -95,9 +110,70 @@ def test_tokens_are_the_blocks_vllm_moved(offline: Run) -> None:
 def test_the_cpu_tiers_capacity_and_occupancy_are_its_chunks_in_tokens(offline: Run) -> None:
     host = {"hicache.tier": "host", "hicache.pool": "kv"}
     assert offline.exported.total("hicache.pool.limit", host) == CPU_CHUNKS * BLOCK_TOKENS
-    used = offline.exported.total("hicache.pool.usage", {**host, "hicache.pool.state": "used"})
-    assert used == DISTINCT_PROMPTS * PROMPT_TOKENS
-    assert offline.exported.total("hicache.eviction.tokens") == 0
+    assert offline.exported.total("hicache.pool.usage", {**host, "hicache.pool.state": "used"}) == (
+        CPU_CHUNKS * BLOCK_TOKENS  # prompts 4, 5, 6
+    )
+
+
+def test_the_tier_split_of_every_prefill_equals_vllms_own(offline: Run) -> None:
+    """vLLM counts each prompt token by where its KV came from; so do we, per tier."""
+    split = {
+        a["hicache.prefill.mode"]: p.as_int for a, p in offline.exported.points("hicache.prefill.tokens") if p.as_int
+    }
+    by_source = "vllm:prompt_tokens_by_source_total"
+    assert split == {
+        "input": offline.vllm_total(by_source, source="local_compute"),
+        "host_hit": offline.vllm_total(by_source, source="external_kv_transfer"),
+    }
+    assert split["host_hit"] == offline.vllm_total("vllm:prompt_tokens_cached_by_source_total", source="host")
+    assert split["host_hit"] == PROMPT_TOKENS  # the returning prompt
+    assert offline.vllm_total(by_source, source="local_cache_hit") == 0  # none was still in the engine's cache
+
+
+def test_the_one_request_that_loaded_from_the_cpu_tier_is_the_one_that_waited(offline: Run) -> None:
+    (waits,) = [p for attrs, p in offline.exported.points("hicache.request.kv_wait") if p.count]
+    again = offline.requests[3]
+    assert waits.count == 1
+    assert 0 < waits.sum <= again["end"] - again["start"]
+    assert {a["hicache.tier"] for a, p in offline.exported.points("hicache.request.kv_wait") if p.count} == {"host"}
+
+
+def test_evictions_say_which_chunks_a_load_read_how_long_they_sat_idle_and_what_was_stored_in_vain(
+    offline: Run,
+) -> None:
+    def evicted(reused: bool) -> float:
+        where = {"hicache.tier": "host", "hicache.eviction.reused": reused}
+        return offline.exported.total("hicache.eviction.tokens", where)
+
+    assert (evicted(True), evicted(False)) == (PROMPT_TOKENS, 2 * PROMPT_TOKENS)  # prompt 1's; prompts 2's and 3's
+    assert offline.exported.total("hicache.eviction.tokens") == 3 * PROMPT_TOKENS  # none of unknown reuse
+    wasted = offline.exported.total("hicache.wasted.size", {"hicache.operation": "backup"})
+    assert wasted == 2 * CHUNKS_PER_PROMPT * BLOCK_BYTES
+    assert wasted == offline.vllm_total("vllm:kv_offload_store_bytes_total") * 2 / DISTINCT_PROMPTS
+    count = offline.exported.total("hicache.eviction.age", {"hicache.tier": "host"}, field="count")
+    idle = offline.exported.total("hicache.eviction.age", {"hicache.tier": "host"}, field="sum")
+    # prompt 2 stored at request 1, evicted at 4; prompt 3 stored at 2, evicted at 5; prompt 1 read at 3, evicted at 6
+    bounds = [offline.between(1, 4), offline.between(2, 5), offline.between(3, 6)]
+    assert count == 3 * CHUNKS_PER_PROMPT
+    assert CHUNKS_PER_PROMPT * sum(low for low, _ in bounds) <= idle <= CHUNKS_PER_PROMPT * sum(h for _, h in bounds)
+
+
+def test_every_series_stays_within_its_closed_attribute_sets(offline: Run) -> None:
+    closed: dict[str, dict[str, set[Any]]] = {
+        "hicache.eviction.tokens": {
+            "hicache.tier": {"device", "host", "storage"},
+            "hicache.eviction.reused": {True, False},
+        },
+        "hicache.eviction.age": {"hicache.tier": {"device", "host", "storage"}},
+        "hicache.request.kv_wait": {"hicache.tier": {"host", "storage"}},
+        "hicache.wasted.size": {"hicache.operation": {"backup", "storage_backup", "load_back"}},
+        "hicache.prefill.tokens": {"hicache.prefill.mode": {m.value for m in PrefillMode}},
+    }
+    for name, sets in closed.items():
+        points = offline.exported.points(name)
+        assert points, name
+        for attrs, _ in points:
+            assert set(attrs) <= set(sets) and all(attrs[k] in sets[k] for k in attrs), (name, attrs)
 
 
 def test_vllm_loads_the_plugin_in_its_engine_core_and_worker_which_report_as_vllm(offline: Run) -> None:

@@ -33,18 +33,18 @@ import importlib
 import logging
 import math
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
+from opentelemetry.trace import SpanContext, TraceFlags
+
 from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE, group_pool
-from otel_hicache.records import EvictionRecord, PoolUsage, TransferFailure, TransferRecord
+from otel_hicache.records import TransferFailure, TransferRecord
 from otel_hicache.semconv import (
     DEFAULT_POOL,
     METRIC_TRANSFER_DURATION,
     METRIC_TRANSFER_SIZE,
-    Tier,
     TimingSource,
     TransferOperation,
 )
@@ -78,11 +78,17 @@ class FixedSink:
         return self.telemetry
 
 
+#: The attribute of vLLM's connector metadata that carries, per job, the context of the request span it serves
+#: (trace id, span id, flags) from the scheduler to the workers (see :mod:`.requests`).
+LINKS = "_otel_hicache_links"
+
+
 class _Pending(NamedTuple):
     operation: TransferOperation
     tokens_by_pool: dict[str, int]  # per pool: the largest of its groups' GPU blocks x tokens per block
     blocks: int  # GPU blocks over all KV groups
     submit_ns: int
+    links: tuple[SpanContext, ...]  # the request span the transfer serves
 
 
 class _Group(NamedTuple):
@@ -189,19 +195,13 @@ def _time_difference(ours: float, theirs: float) -> float:
     return 0.0 if abs(difference) <= 1e-9 * max(1.0, abs(ours)) else difference
 
 
-class OffloadHooks:
-    """The wrapper callables (wrapt signature ``(wrapped, instance, args, kwargs)``) bound to a :class:`Sinks`."""
+class Failures:
+    """The one-time log of a hook whose own code failed (vLLM's call goes on untouched)."""
 
-    def __init__(self, sinks: Sinks) -> None:
-        self.sinks = sinks
-        self._attr = f"_otel_hicache_jobs_{id(self):x}"
+    def __init__(self) -> None:
         self._failed: set[str] = set()
-        self._finishing = threading.local()  # the events of the get_finished call running on this thread
-        # CPU-tier managers built by CPUOffloadingSpec.get_manager: their sink and tokens per chunk
-        self._managers: weakref.WeakKeyDictionary[Any, tuple[HiCacheTelemetry, int]] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
 
-    def _fail(self, hook: str) -> None:
+    def __call__(self, hook: str) -> None:
         if hook not in self._failed:
             self._failed.add(hook)
             _log.warning(
@@ -210,6 +210,24 @@ class OffloadHooks:
                 hook,
                 exc_info=True,
             )
+
+
+class Hooks:
+    """What every group of wrappers (wrapt signature ``(wrapped, instance, args, kwargs)``) shares: the process's
+    :class:`Sinks` and the one-time log of a failed hook."""
+
+    def __init__(self, sinks: Sinks, fail: Callable[[str], None]) -> None:
+        self.sinks = sinks
+        self._fail = fail
+
+
+class OffloadHooks(Hooks):
+    """The wrappers of vLLM's offloading connector: transfers in the workers, allocation failures in the scheduler."""
+
+    def __init__(self, sinks: Sinks, fail: Callable[[str], None]) -> None:
+        super().__init__(sinks, fail)
+        self._attr = f"_otel_hicache_jobs_{id(self):x}"
+        self._finishing = threading.local()  # the events of the get_finished call running on this thread
 
     def _connector(self, worker: Any) -> _Connector:
         state = getattr(worker, self._attr, None)
@@ -228,7 +246,7 @@ class OffloadHooks:
         try:
             if instance._is_store_writer:
                 metadata = args[0] if args else kwargs["metadata"]
-                self._note(instance, TransferOperation.BACKUP, metadata.store_jobs, 0)
+                self._note(instance, TransferOperation.BACKUP, metadata.store_jobs, 0, metadata)
         except Exception:
             self._fail("prepare_store_kv")
         return result
@@ -239,7 +257,7 @@ class OffloadHooks:
             metadata = args[0] if args else kwargs["kv_connector_metadata"]
             if instance._is_store_writer and metadata.jobs_to_flush:
                 flushed = {j: metadata.store_jobs[j] for j in metadata.jobs_to_flush if j in metadata.store_jobs}
-                self._note(instance, TransferOperation.BACKUP, flushed, now_ns())
+                self._note(instance, TransferOperation.BACKUP, flushed, now_ns(), metadata)
             self._submitted(instance)
         except Exception:
             self._fail("handle_preemptions")
@@ -250,16 +268,17 @@ class OffloadHooks:
         try:
             metadata = args[0] if args else kwargs["metadata"]
             self._submitted(instance)
-            self._note(instance, TransferOperation.LOAD_BACK, metadata.load_jobs, now_ns())
+            self._note(instance, TransferOperation.LOAD_BACK, metadata.load_jobs, now_ns(), metadata)
         except Exception:
             self._fail("start_kv_transfers")
         return wrapped(*args, **kwargs)
 
-    def _note(self, instance: Any, operation: TransferOperation, jobs: Any, submit_ns: int) -> None:
+    def _note(self, instance: Any, operation: TransferOperation, jobs: Any, submit_ns: int, metadata: Any) -> None:
         state = self._connector(instance)
         if state.sink is None or not jobs:
             return
         pending, groups = state.pending, state.groups
+        links = getattr(metadata, LINKS, None) or {}
         for job_id, job in jobs.items():
             gpu = job.src_spec if operation is TransferOperation.BACKUP else job.dst_spec
             blocks = len(gpu.block_ids)
@@ -267,7 +286,9 @@ class OffloadHooks:
             tokens: dict[str, int] = {}
             for group, size in zip(groups, sizes, strict=True):
                 tokens[group.pool] = max(tokens.get(group.pool, 0), int(size) * group.tokens_per_block)
-            pending[job_id] = _Pending(operation, tokens, blocks, submit_ns)
+            served = links.get(job_id)
+            link = () if served is None else (_span_context(*served),)
+            pending[job_id] = _Pending(operation, tokens, blocks, submit_ns, link)
         while len(pending) > MAX_PENDING:
             del pending[next(iter(pending))]
 
@@ -369,40 +390,6 @@ class OffloadHooks:
             self._fail("increase_counter")
         return result
 
-    def get_manager(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``CPUOffloadingSpec.get_manager``: report the CPU tier's occupancy of the manager it built."""
-        manager = wrapped(*args, **kwargs)
-        try:
-            with self._lock:
-                new = manager not in self._managers
-            sink = self.sinks.for_spec(instance) if new else None
-            if sink is not None:
-                config = instance.config
-                tokens_per_chunk = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
-                with self._lock:
-                    self._managers[manager] = (sink, tokens_per_chunk)
-                sink.add_pool_usage_source(_CpuTierSource(manager, tokens_per_chunk, sink))
-        except Exception:
-            self._fail("get_manager")
-        return manager
-
-    def prepare_store(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``CPUOffloadingManager.prepare_store``: chunks it evicted to make room are an eviction pass on the CPU
-        tier, timed on the host around the call."""
-        start = time.perf_counter()
-        result = wrapped(*args, **kwargs)
-        try:
-            evicted = len(result.evicted_keys) if result is not None else 0
-            known = self._managers.get(instance) if evicted else None
-            if known is not None:
-                sink, tokens_per_chunk = known
-                sink.record_eviction(
-                    EvictionRecord(Tier.HOST, evicted * tokens_per_chunk, time.perf_counter() - start, now_ns())
-                )
-        except Exception:
-            self._fail("prepare_store")
-        return result
-
 
 def _record(entry: _Pending, measured: tuple[Any, Any] | None, done_ns: int, timing: TimingSource) -> TransferRecord:
     """The transfer record of one finished job. ``measured`` is what vLLM counted for it (bytes, seconds), as vLLM
@@ -420,7 +407,12 @@ def _record(entry: _Pending, measured: tuple[Any, Any] | None, done_ns: int, tim
         copy_duration_s=duration,
         timing_source=TimingSource.NONE if duration is None else timing,
         node_count=entry.blocks,
+        links=entry.links,
     )
+
+
+def _span_context(trace_id: int, span_id: int, flags: int) -> SpanContext:
+    return SpanContext(int(trace_id), int(span_id), is_remote=True, trace_flags=TraceFlags(int(flags)))
 
 
 def _groups(spec: Any, kv_cache_config: Any) -> tuple[_Group, ...]:
@@ -433,26 +425,6 @@ def _groups(spec: Any, kv_cache_config: Any) -> tuple[_Group, ...]:
         pool = group_pool(str(getattr(kind, "value", kind)), cache_group.is_eagle_group, str(cache_group.role.value))
         groups.append(_Group(pool, int(group.tokens_per_block)))
     return tuple(groups)
-
-
-class _CpuTierSource:
-    """The CPU tier's chunks holding KV (cached or in flight) and its capacity, in tokens, read at collection."""
-
-    __slots__ = ("__weakref__", "_manager", "_telemetry", "_tokens_per_chunk")
-
-    def __init__(self, manager: Any, tokens_per_chunk: int, telemetry: HiCacheTelemetry) -> None:
-        self._manager = weakref.ref(manager)
-        self._tokens_per_chunk = tokens_per_chunk
-        self._telemetry = telemetry
-
-    def __call__(self) -> list[PoolUsage]:
-        manager = self._manager()
-        if manager is None:  # the manager is gone: stop reporting it
-            self._telemetry.remove_pool_usage_source(self)
-            return []
-        held = manager._num_allocated_chunks - len(manager._free_list)
-        per = self._tokens_per_chunk
-        return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=held * per, limit=manager._num_chunks * per)]
 
 
 def _stats_arguments(num_bytes: Any, time: Any) -> tuple[Any, Any]:

@@ -12,7 +12,9 @@ from opentelemetry.instrumentation.dependencies import DependencyConflict, get_d
 
 from otel_hicache.config import ConfigError
 from otel_hicache.integrations._base import EngineInstrumentor, Target, Wrapper
-from otel_hicache.integrations.vllm.hooks import FixedSink, OffloadHooks, Sinks
+from otel_hicache.integrations.vllm.cpu_tier import CpuTierHooks
+from otel_hicache.integrations.vllm.hooks import Failures, FixedSink, OffloadHooks, Sinks
+from otel_hicache.integrations.vllm.requests import RequestHooks
 from otel_hicache.package import _instruments_vllm
 from otel_hicache.semconv import RESOURCE_ENGINE, Engine
 from otel_hicache.telemetry import HiCacheTelemetry
@@ -26,19 +28,34 @@ _METRICS = f"{_OFFLOADING}.metrics"
 _CPU_SPEC = "vllm.v1.kv_offload.cpu.spec"
 _CPU_MANAGER = "vllm.v1.kv_offload.cpu.manager"
 
-#: Every patch, in one table: (target, name of the :class:`OffloadHooks` method that wraps it).
-_TARGETS: Final[tuple[tuple[Target, str], ...]] = (
-    (Target(_WORKER, "OffloadingConnectorWorker", "prepare_store_kv"), "prepare_store_kv"),
-    (Target(_WORKER, "OffloadingConnectorWorker", "handle_preemptions"), "handle_preemptions"),
-    (Target(_WORKER, "OffloadingConnectorWorker", "start_kv_transfers"), "start_kv_transfers"),
-    (Target(_WORKER, "OffloadingConnectorWorker", "get_finished"), "get_finished"),
-    (Target(_WORKER, "OffloadingConnectorWorker", "build_connector_worker_meta"), "build_connector_worker_meta"),
-    (Target(_COMMON, "DirectionalTransferStats", "record"), "transfer_stats_record"),
-    (Target(_COMMON, "OffloadingWorkerMetadata", "mark_completed"), "mark_completed"),
-    (Target(_METRICS, "OffloadingConnectorStats", "increase_counter"), "increase_counter"),
-    (Target(_CPU_SPEC, "CPUOffloadingSpec", "get_manager"), "get_manager"),
-    (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_store"), "prepare_store"),
-)
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
+_CONNECTOR_SCHEDULER = f"{_OFFLOADING}.scheduler"
+_OUTPUT_PROCESSOR = "vllm.v1.engine.output_processor"
+
+#: Every patch, in one table: (target, the group of wrappers, the name of its method that wraps the target).
+_TARGETS: Final[tuple[tuple[Target, str, str], ...]] = (
+    (Target(_WORKER, "OffloadingConnectorWorker", "prepare_store_kv"), "offload", "prepare_store_kv"),
+    (Target(_WORKER, "OffloadingConnectorWorker", "handle_preemptions"), "offload", "handle_preemptions"),
+    (Target(_WORKER, "OffloadingConnectorWorker", "start_kv_transfers"), "offload", "start_kv_transfers"),
+    (Target(_WORKER, "OffloadingConnectorWorker", "get_finished"), "offload", "get_finished"),
+    (Target(_WORKER, "OffloadingConnectorWorker", "build_connector_worker_meta"), "offload",
+     "build_connector_worker_meta"),
+    (Target(_COMMON, "DirectionalTransferStats", "record"), "offload", "transfer_stats_record"),
+    (Target(_COMMON, "OffloadingWorkerMetadata", "mark_completed"), "offload", "mark_completed"),
+    (Target(_METRICS, "OffloadingConnectorStats", "increase_counter"), "offload", "increase_counter"),
+    (Target(_CPU_SPEC, "CPUOffloadingSpec", "get_manager"), "tier", "get_manager"),
+    (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_store"), "tier", "prepare_store"),
+    (Target(_CPU_MANAGER, "CPUOffloadingManager", "_free_chunk"), "tier", "free_chunk"),
+    (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_load"), "tier", "prepare_load"),
+    (Target(_SCHEDULER, "Scheduler", "add_request"), "requests", "add_request"),
+    (Target(_SCHEDULER, "Scheduler", "_update_waiting_for_remote_kv"), "requests", "update_waiting_for_remote_kv"),
+    (Target(_CONNECTOR_SCHEDULER, "OffloadingConnectorScheduler", "update_state_after_alloc"), "requests",
+     "update_state_after_alloc"),
+    (Target(_CONNECTOR_SCHEDULER, "OffloadingConnectorScheduler", "build_connector_meta"), "requests",
+     "build_connector_meta"),
+    (Target(_OUTPUT_PROCESSOR, "OutputProcessor", "do_tracing"), "requests", "do_tracing"),
+    (Target(_OUTPUT_PROCESSOR, "", "instrument_manual"), "requests", "instrument_manual"),
+)  # fmt: skip
 
 
 class VLLMOffloadInstrumentor(EngineInstrumentor):
@@ -91,8 +108,13 @@ class VLLMOffloadInstrumentor(EngineInstrumentor):
 
     @staticmethod
     def _hooks(sinks: Sinks) -> list[tuple[Target, Wrapper]]:
-        hooks = OffloadHooks(sinks)
-        return [(target, getattr(hooks, hook)) for target, hook in _TARGETS]
+        fail = Failures()
+        groups = {
+            "offload": OffloadHooks(sinks, fail),
+            "tier": CpuTierHooks(sinks, fail),
+            "requests": RequestHooks(sinks, fail),
+        }
+        return [(target, getattr(groups[group], hook)) for target, group, hook in _TARGETS]
 
 
 class _LazySinks(ABC):
