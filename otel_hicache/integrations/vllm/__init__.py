@@ -53,7 +53,7 @@ after_alloc``                                 ``PrefillStats`` and the connector
 ``OffloadingConnectorScheduler.build_         span ``llm_request`` gets ``hicache.prefix.tokens.<mode>`` and
 connector_meta``, ``OutputProcessor.          ``hicache.kv_wait.host``, and each transfer span links to the request
 do_tracing``, ``instrument_manual``           span it served, across the frontend, engine-core and worker processes
-                                              (:mod:`.requests`)
+                                              (:mod:`.per_request`)
 ============================================  ========================================================================
 
 Process topology: transfers finish in the worker processes (one per GPU); the scheduler (engine core) only sees

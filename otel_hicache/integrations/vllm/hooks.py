@@ -79,7 +79,7 @@ class FixedSink:
 
 
 #: The attribute of vLLM's connector metadata that carries, per job, the context of the request span it serves
-#: (trace id, span id, flags) from the scheduler to the workers (see :mod:`.requests`).
+#: (trace id, span id, flags) from the scheduler to the workers (see :mod:`.per_request`).
 LINKS = "_otel_hicache_links"
 
 

@@ -14,7 +14,7 @@ from otel_hicache.config import ConfigError
 from otel_hicache.integrations._base import EngineInstrumentor, Target, Wrapper
 from otel_hicache.integrations.vllm.cpu_tier import CpuTierHooks
 from otel_hicache.integrations.vllm.hooks import Failures, FixedSink, OffloadHooks, Sinks
-from otel_hicache.integrations.vllm.requests import RequestHooks
+from otel_hicache.integrations.vllm.per_request import RequestHooks
 from otel_hicache.package import _instruments_vllm
 from otel_hicache.semconv import RESOURCE_ENGINE, Engine
 from otel_hicache.telemetry import HiCacheTelemetry
