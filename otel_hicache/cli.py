@@ -4,6 +4,11 @@
     otel-hicache demo --seconds 60 --endpoint http://localhost:4317          # OTLP gRPC to a Collector
     OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4318 OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf otel-hicache demo
     otel-hicache demo --seconds 30 --prometheus-port 9464 --linger 30      # also a Prometheus scrape endpoint
+    otel-hicache demo --prefill-seconds-per-token 2e-5   # compare loads with your engine's recompute cost
+
+The demo has no model, so it cannot time a prefill: loading versus recomputing is compared with the prefill seconds
+per token the operator gives (``--prefill-seconds-per-token``, e.g. from ``hicache:engine_prefill_seconds_per_token:
+rate5m`` on a real engine); without it the summary shows the load seconds per token and says what is missing.
 
 Exit status: 0 done, 1 the run failed, 2 bad arguments or configuration (flags or ``OTEL_*`` variables), 130
 interrupted. Computing the summary lives in :mod:`otel_hicache.summary`; this module only prints it.
@@ -123,6 +128,11 @@ def main() -> None:
     show_default=True,
     help="Keep serving the Prometheus endpoint this many seconds after the run, so a scraper can read it.",
 )
+@click.option(
+    "--prefill-seconds-per-token",
+    type=FiniteFloat(min=0, min_open=True),
+    help="Your engine's prefill (recompute) seconds per token, to compare loads with (the demo has no model to time).",
+)
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
 def demo(
@@ -138,6 +148,7 @@ def demo(
     prometheus_port: int | None,
     prometheus_host: str,
     linger: float,
+    prefill_seconds_per_token: float | None,
     progress: bool | None,
     as_json: bool,
 ) -> None:
@@ -187,7 +198,7 @@ def demo(
                     storage_dir=storage_dir,
                     progress=on_progress,
                 )
-            summary = summarize(setup)
+            summary = summarize(setup, prefill_seconds_per_token)
             if as_json:
                 click.echo(json.dumps(_jsonable(summary, result, setup), indent=2, sort_keys=True))
             else:
@@ -327,6 +338,7 @@ def render(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> str:
             out.append(f"  {op:<18}{error:<24}{_n(n):>8}")
     evictions = ", ".join(f"{tier} {_n(n)} tokens" for tier, n in sorted(summary.evictions.items()))
     out.append(f"Evictions: {evictions or 'none'}")
+    out += _answers(summary)
 
     if summary.pools:
         out += ["", "Pool usage at the end"]
@@ -346,6 +358,48 @@ def render(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> str:
         out.append(f"Prometheus scrape endpoint: http://{host}:{port}/metrics")
     out += [f"Note: {note}" for note in summary.notes]
     return "\n".join(out)
+
+
+def _answers(summary: Summary) -> list[str]:
+    """Which tier served requests and how long they waited, whether each tier is the right size, what movement was
+    wasted, and whether loading beats recomputing."""
+    out = ["", "KV wait per request (prefills that waited for KV from a tier; p50 / p99 from histogram buckets)"]
+    rows: list[tuple[str, ...]] = [("tier", "requests", "p50", "p99")]
+    for tier in (sc.Tier.HOST.value, sc.Tier.STORAGE.value):
+        w = summary.kv_waits.get(tier)
+        rows.append((tier, _n(w.count), _secs(w.p50_s), _secs(w.p99_s)) if w else (tier, "0", "-", "-"))
+    out += _table(rows)
+
+    out += ["", "Is each tier the right size (evicted tokens never reused there; idle time of evicted entries)"]
+    rows = [("tier", "evicted", "never reused", "idle p50", "idle p99")]
+    for tier, t in summary.tier_sizing.items():
+        rows.append((tier, f"{_n(t.evicted_tokens)} tokens", _pct(t.never_reused_share),
+                     _secs(t.age.p50_s) if t.age else "-", _secs(t.age.p99_s) if t.age else "-"))  # fmt: skip
+    out += _table(rows) if len(rows) > 1 else ["  nothing evicted"]
+
+    out += ["", "Wasted movement (bytes written to a tier, then evicted without being read back)"]
+    rows = [("operation", "wasted", "written", "share")]
+    for op, wasted in sorted(summary.wasted_bytes.items()):
+        written = summary.bytes_by_operation.get(op, 0)
+        rows.append((op, _bytes(wasted), _bytes(written), _pct(summary.wasted_shares.get(op))))
+    out += _table(rows)
+    out.append("  (the demo's L3 file store never evicts: nothing stored there is counted as wasted)")
+
+    recompute = summary.prefill_seconds_per_token
+    out += ["", "Load vs recompute (copy seconds per token; a storage hit pays storage_prefetch, then load_back)"]
+    for op, seconds in sorted(summary.load_seconds_per_token.items()):
+        line = f"  {op:<18}{_secs(seconds):>10}/token"
+        ratio = summary.load_vs_recompute.get(op)
+        if recompute is not None and ratio is not None:
+            verdict = "faster" if ratio < 1 else "slower"
+            line += f"  vs recompute {_secs(recompute)}/token: {ratio:.2g}x the time, loading is {verdict}"
+        out.append(line)
+    if not summary.load_seconds_per_token:
+        out.append("  no timed loads")
+    if recompute is None:
+        out.append("  recompute cost: needs the engine's prefill timing; the demo has no model "
+                   "(give --prefill-seconds-per-token)")  # fmt: skip
+    return out
 
 
 def _jsonable(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> dict[str, Any]:
@@ -404,7 +458,9 @@ def _secs(value: float | None) -> str:
         return f"{value:.2f} s"
     if value >= 1e-3:
         return f"{value * 1e3:.2f} ms"
-    return f"{value * 1e6:.0f} us"
+    if value >= 1e-6:
+        return f"{value * 1e6:.0f} us"
+    return f"{value * 1e9:.0f} ns"
 
 
 if __name__ == "__main__":  # python -m otel_hicache.cli

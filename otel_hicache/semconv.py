@@ -271,7 +271,8 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
                    EVICTION_AGE_BUCKETS),
     InstrumentSpec(METRIC_WASTED_SIZE, "counter", UNIT_BYTE,
                    "Bytes a transfer wrote into a tier that were evicted from it without ever being read back, by the "
-                   "operation that wrote them (backup: into host memory; storage_backup: into storage).",
+                   "operation that wrote them (backup and storage_prefetch: into host memory; storage_backup: into "
+                   "storage; load_back: into device memory).",
                    (ATTR_OPERATION,)),
     InstrumentSpec(METRIC_REQUEST_KV_WAIT, "histogram", UNIT_SECOND,
                    "How long a request's prefill waited for its KV to arrive from a tier (host: load back before the "

@@ -24,7 +24,19 @@ Definitions (the same as the dashboard's and the alert rules'):
   where CUDA events were available, host clock otherwise). Untimed transfers are in neither (``hicache.transfer.size``
   carries ``hicache.timing.source``, ``none`` for them);
 * **p50 / p99** copy duration: exact, from the recorded spans, when they cover every timed transfer of the
-  operation; otherwise estimated from the histogram buckets the way Prometheus's ``histogram_quantile`` does.
+  operation; otherwise estimated from the histogram buckets the way Prometheus's ``histogram_quantile`` does;
+* **KV wait** p50 / p99 per tier: how long requests' prefills waited for their KV from that tier
+  (``hicache.request.kv_wait``, bucket estimates; requests that waited for nothing are not in it);
+* **never-reused share** of a tier: evicted tokens that served no hit while in that tier / evicted tokens whose reuse
+  is known (``hicache.eviction.tokens`` by ``hicache.eviction.reused``); with the idle time of the evicted entries
+  (``hicache.eviction.age``, p50 / p99), it says whether the tier is the right size;
+* **wasted share** of an operation: bytes it wrote into a tier that were evicted unread (``hicache.wasted.size``) /
+  all bytes it wrote (``hicache.transfer.size``);
+* **load seconds per token** of an operation (``load_back``; ``storage_prefetch``, which a storage hit pays before
+  its load back): the copy seconds of its timed transfers per byte, times its bytes per token (``kv`` pool) - the
+  dashboard's and the recording rule's definition. Against a **recompute** cost (the prefill seconds per token the
+  caller gives: the demo has no model, so it cannot measure one), ``load_vs_recompute`` is their ratio: under 1,
+  loading is faster than recomputing.
 """
 
 from __future__ import annotations
@@ -60,6 +72,17 @@ class DurationStats:
 
 
 @dataclass(frozen=True)
+class TierSizing:
+    """Evictions from one tier."""
+
+    evicted_tokens: int
+    never_reused_tokens: int  # evicted without serving a hit while in the tier
+    reuse_known_tokens: int  # evicted tokens whose producer knew whether they were reused
+    never_reused_share: float | None  # never_reused_tokens / reuse_known_tokens (None: nothing known)
+    age: DurationStats | None  # idle time of the evicted entries since their last use (None: not measured)
+
+
+@dataclass(frozen=True)
 class PoolStats:
     tier: str
     pool: str
@@ -84,6 +107,13 @@ class Summary:
     drops: dict[tuple[str, str], int]  # (reason, pool) -> tokens
     failures: dict[tuple[str, str], int]  # (operation, error.type) -> transfers
     evictions: dict[str, int]  # tier -> tokens
+    tier_sizing: dict[str, TierSizing]  # tier -> reuse and age of what it evicted
+    kv_waits: dict[str, DurationStats]  # tier -> how long requests waited for KV from it
+    wasted_bytes: dict[str, int]  # operation -> bytes it wrote that were evicted unread
+    wasted_shares: dict[str, float | None]  # operation -> wasted / all bytes it wrote
+    load_seconds_per_token: dict[str, float]  # load_back / storage_prefetch -> copy seconds per token
+    prefill_seconds_per_token: float | None  # the recompute cost the caller gave (None: unknown)
+    load_vs_recompute: dict[str, float]  # operation -> load seconds per token / prefill seconds per token
     pools: list[PoolStats]
     pipeline: dict[str, int]  # rejected / normalized / dropped_spans -> records
     spans_recorded: int  # spans the embedded store received (0 when exporting elsewhere)
@@ -107,9 +137,11 @@ class Summary:
         return sum(self.drops.values())
 
 
-def summarize(setup: TelemetrySetup) -> Summary:
+def summarize(setup: TelemetrySetup, prefill_seconds_per_token: float | None = None) -> Summary:
     """Compute the :class:`Summary` of everything ``setup`` has recorded so far (queued records first: flushed into the
-    in-process reader; when exporting elsewhere the exact counters are read, nothing waits on the collector)."""
+    in-process reader; when exporting elsewhere the exact counters are read, nothing waits on the collector).
+
+    ``prefill_seconds_per_token``: what recomputing a token costs on the caller's engine, to compare loads with."""
     if setup.metric_reader is not None or setup.recent_spans is not None:
         setup.telemetry.flush()
     notes: list[str] = []
@@ -123,7 +155,10 @@ def summarize(setup: TelemetrySetup) -> Summary:
             name: {_strs(k): v for k, v in values.items()} for name, values in setup.telemetry.snapshot().items()
         }
         source = "snapshot"
-        notes.append("durations, bandwidth and pool usage are in the exporting backend, not in this process")
+        notes.append(
+            "durations, bandwidth, KV waits, eviction ages and pool usage are in the exporting backend, not in this "
+            "process"
+        )
 
     tokens = {(op, pool): v for (op, pool), v in _pairs(counters.get(sc.METRIC_TRANSFER_TOKENS, {})).items()}
     bytes_by_operation: dict[str, int] = {}
@@ -140,7 +175,7 @@ def summarize(setup: TelemetrySetup) -> Summary:
     span_durations = _span_durations(spans)
     durations: dict[str, DurationStats] = {}
     bandwidth: dict[str, float] = {}
-    for op, points in histograms.items():
+    for op, points in _by_attribute(histograms.get(sc.METRIC_TRANSFER_DURATION, []), sc.ATTR_OPERATION).items():
         count = sum(p.count for p in points)
         if not count:
             continue
@@ -157,6 +192,12 @@ def summarize(setup: TelemetrySetup) -> Summary:
         durations[op] = dataclasses.replace(stats, timing_sources=timing)
         if total_s > 0:
             bandwidth[op] = timed_bytes.get(op, 0) / total_s
+    load_seconds: dict[str, float] = {}
+    for op in (sc.TransferOperation.LOAD_BACK.value, sc.TransferOperation.STORAGE_PREFETCH.value):
+        d, tokens_moved = durations.get(op), tokens.get((op, sc.DEFAULT_POOL), 0)
+        if d is not None and timed_bytes.get(op) and tokens_moved:
+            load_seconds[op] = d.total_s / timed_bytes[op] * bytes_by_operation[op] / tokens_moved
+    wasted = by_first(counters.get(sc.METRIC_WASTED_SIZE, {}))
 
     pipeline = {
         "rejected": sum(counters.get(sc.METRIC_RECORDS_REJECTED, {}).values()),
@@ -173,6 +214,19 @@ def summarize(setup: TelemetrySetup) -> Summary:
         drops=_pairs(counters.get(sc.METRIC_DROPPED_TOKENS, {})),
         failures=_pairs(counters.get(sc.METRIC_TRANSFER_FAILURES, {})),
         evictions=by_first(counters.get(sc.METRIC_EVICTION_TOKENS, {})),
+        tier_sizing=_tier_sizing(counters.get(sc.METRIC_EVICTION_TOKENS, {}), histograms.get(sc.METRIC_EVICTION_AGE)),
+        kv_waits=_bucket_stats(histograms.get(sc.METRIC_REQUEST_KV_WAIT, [])),
+        wasted_bytes=wasted,
+        wasted_shares={
+            op: n / bytes_by_operation[op] if bytes_by_operation.get(op) else None for op, n in wasted.items()
+        },
+        load_seconds_per_token=load_seconds,
+        prefill_seconds_per_token=prefill_seconds_per_token,
+        load_vs_recompute=(
+            {op: seconds / prefill_seconds_per_token for op, seconds in load_seconds.items()}
+            if prefill_seconds_per_token
+            else {}
+        ),
         pools=pools,
         pipeline=pipeline,
         spans_recorded=setup.recent_spans.total if setup.recent_spans is not None else 0,
@@ -186,6 +240,44 @@ _Counters = dict[str, dict[tuple[Any, ...], int]]
 
 #: The attribute keys that make up each counter's key, in order (the instrument's closed attribute set).
 _KEYS: dict[str, tuple[str, ...]] = {spec.name: spec.attributes for spec in sc.INSTRUMENTS}
+_HISTOGRAMS = frozenset(spec.name for spec in sc.INSTRUMENTS if spec.kind == "histogram")
+
+
+def _tier_sizing(
+    tokens: Mapping[tuple[Any, ...], int], ages: Sequence[HistogramDataPoint] | None
+) -> dict[str, TierSizing]:
+    """Per tier: evicted tokens by reuse (``(tier, reused)`` keys; reused None: unknown) and the ages' percentiles."""
+    by_tier: dict[str, dict[bool | None, int]] = {}
+    for (tier, reused), n in tokens.items():
+        by_tier.setdefault(str(tier), {})
+        by_tier[str(tier)][reused] = by_tier[str(tier)].get(reused, 0) + n
+    age_stats = _bucket_stats(ages or [])
+    out = {}
+    for tier, counts in sorted(by_tier.items()):
+        never, known = counts.get(False, 0), counts.get(False, 0) + counts.get(True, 0)
+        if sum(counts.values()) or tier in age_stats:
+            out[tier] = TierSizing(sum(counts.values()), never, known, never / known if known else None,
+                                   age_stats.get(tier))  # fmt: skip
+    return out
+
+
+def _bucket_stats(points: Sequence[HistogramDataPoint]) -> dict[str, DurationStats]:
+    """Per tier: count, sum and bucket-estimated p50 / p99 of a histogram recorded by ``hicache.tier``."""
+    out = {}
+    for tier, series in sorted(_by_attribute(points, sc.ATTR_TIER).items()):
+        count = sum(p.count for p in series)
+        if count:
+            merged = _merge_buckets(series)
+            out[tier] = DurationStats(count, sum(p.sum for p in series), _bucket_quantile(0.5, *merged),
+                                      _bucket_quantile(0.99, *merged), "histogram")  # fmt: skip
+    return out
+
+
+def _by_attribute(points: Iterable[HistogramDataPoint], key: str) -> dict[str, list[HistogramDataPoint]]:
+    out: dict[str, list[HistogramDataPoint]] = {}
+    for p in points:
+        out.setdefault(str((p.attributes or {}).get(key)), []).append(p)
+    return out
 
 
 def _read_metrics(data: MetricsData | None) -> tuple[_Counters, dict[str, list[HistogramDataPoint]], list[PoolStats]]:
@@ -199,10 +291,8 @@ def _read_metrics(data: MetricsData | None) -> tuple[_Counters, dict[str, list[H
                 continue
             for metric in sm.metrics:
                 name, points = metric.name, list[Any](metric.data.data_points)
-                if name == sc.METRIC_TRANSFER_DURATION:
-                    for p in points:
-                        if isinstance(p, HistogramDataPoint):
-                            histograms.setdefault(str((p.attributes or {}).get(sc.ATTR_OPERATION)), []).append(p)
+                if name in _HISTOGRAMS:
+                    histograms.setdefault(name, []).extend(p for p in points if isinstance(p, HistogramDataPoint))
                 elif name == sc.METRIC_POOL_USAGE:
                     for p in points:
                         a = p.attributes or {}
@@ -226,7 +316,8 @@ def _read_metrics(data: MetricsData | None) -> tuple[_Counters, dict[str, list[H
 
 
 def _strs(key: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(None if part is None else str(part) for part in key)
+    """A snapshot key with the values an exporter would send: enum members as their strings, booleans kept."""
+    return tuple(part if part is None or isinstance(part, bool) else str(part) for part in key)
 
 
 def by_first(values: Mapping[tuple[Any, ...], int]) -> dict[str, int]:

@@ -6,6 +6,12 @@ transfer, issue its copies on a dedicated device->host / host->device stream (pl
 timing event pair recorded around the copy loop only, and append one ack. ``poll_writes`` / ``poll_loads`` pop the
 leading acks whose finish event ``query()`` is true (FIFO) and report each as one :class:`TransferRecord`.
 
+A load can carry a :class:`KvWaiter`: the request whose prefill needs those pages, and an event recorded where its
+forward runs (the compute stream; the host clock on a CPU) at the moment it started to need them. When the load's
+ack is seen complete, the time from that event to the copy's finish event is the request's ``hicache.request.kv_wait``
+on tier ``host`` (read from events already complete, never synchronising); a copy that finished before the request
+needed it is no wait and records nothing. The load's transfer record links to the request's span.
+
 Counting follows SGLang: tokens per owning pool (sidecars that reuse another pool's indices excluded), bytes of
 everything copied (sidecars and draft piggyback included), both fixed at submit time so the per-ack path only reads
 the clock, the events and hands the record over.
@@ -19,10 +25,11 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
+from opentelemetry.trace import Span, SpanContext
 
 from otel_hicache.cache.pools import PoolGroup, Value
-from otel_hicache.records import TransferFailure, TransferRecord
-from otel_hicache.semconv import TimingSource, TransferOperation
+from otel_hicache.records import KvWait, TransferFailure, TransferRecord
+from otel_hicache.semconv import Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import elapsed_seconds, make_timing_event_pair, now_ns
 
@@ -36,6 +43,13 @@ class _Op(NamedTuple):
     node_id: int
 
 
+class KvWaiter(NamedTuple):
+    """A request waiting for a load back: when it started to need the KV, and its span (or None)."""
+
+    needed: Any  # a timing event, of the same kind as the acks' (see CacheController.mark_needed)
+    request_span: Span | None = None
+
+
 class _Ack(NamedTuple):
     start: Any
     finish: Any
@@ -46,6 +60,8 @@ class _Ack(NamedTuple):
     bytes_by_pool: dict[str, int]
     merged_ops: int
     submit_ns: int
+    waiter: KvWaiter | None = None
+    links: tuple[SpanContext, ...] = ()
 
 
 class CopyStats:
@@ -111,10 +127,21 @@ class CacheController:
             ops, self.write_queue = self.write_queue, []
             self.ack_write_queue.append(self._submit(BACKUP, ops, self.device, self.host, self.d2h_stream))
 
-    def start_loading(self) -> None:
+    def start_loading(self, waiter: KvWaiter | None = None) -> None:
+        """Issue every queued load as one merged transfer; ``waiter``: the request whose prefill needs them."""
         if self.load_queue:
             ops, self.load_queue = self.load_queue, []
-            self.ack_load_queue.append(self._submit(LOAD_BACK, ops, self.host, self.device, self.h2d_stream))
+            ack = self._submit(LOAD_BACK, ops, self.host, self.device, self.h2d_stream)
+            if waiter is not None:
+                ack = ack._replace(waiter=waiter, links=span_links(waiter.request_span))
+            self.ack_load_queue.append(ack)
+
+    def mark_needed(self) -> Any:
+        """An event recorded now where the forward runs (the current CUDA stream; the host clock on a CPU), of the
+        same kind as the acks' timing events, so a load's finish can be timed against it (:class:`KvWaiter`)."""
+        needed, _, _ = make_timing_event_pair(self.device_type)
+        needed.record()
+        return needed
 
     # ------------------------------------------------------------------ completion (scheduler hot path)
     def poll_writes(self) -> list[int]:
@@ -148,6 +175,11 @@ class CacheController:
         while queue and queue[0].finish.query():
             ack = queue.popleft()
             done.extend(ack.node_ids)
+            if ack.waiter is not None:
+                # From when the request needed the KV to the copy's finish; None (no wait) if it finished first.
+                wait = elapsed_seconds(ack.waiter.needed, ack.finish)
+                if wait:
+                    self.telemetry.record_kv_wait(KvWait(Tier.HOST, wait, now_ns()), ack.waiter.request_span)
             record_transfer(
                 TransferRecord(
                     operation=op,
@@ -162,6 +194,7 @@ class CacheController:
                     bytes_by_pool=ack.bytes_by_pool,
                     write_policy=self.write_policy,
                     io_backend=self.io_backend,
+                    links=ack.links,
                 )
             )
         return done
@@ -231,6 +264,10 @@ class CacheController:
                 bytes_by_pool[car] = slots * per_slot[car]
         return tokens, bytes_by_pool
 
+    def bytes_of(self, value: Mapping[str, list[int]]) -> int:
+        """Bytes a transfer of ``value`` (a node's pages on either tier) moves: what its backup wrote."""
+        return sum(self._count(self.host, value)[1].values())
+
     def _token_pages(self, value: Mapping[str, list[int]]) -> int:
         return len(value.get(self.device.anchor, ()))
 
@@ -242,6 +279,14 @@ class CacheController:
         self.telemetry.record_failure(
             TransferFailure(operation=op, error_type=error, tokens_by_pool=tokens, time_ns=now_ns())
         )
+
+
+def span_links(span: Span | None) -> tuple[SpanContext, ...]:
+    """The link to ``span`` a transfer that served its request carries (none for no span or an invalid one)."""
+    if span is None:
+        return ()
+    context = span.get_span_context()
+    return (context,) if context.is_valid else ()
 
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

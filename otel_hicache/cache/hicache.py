@@ -9,6 +9,21 @@ family, with drops counted as SGLang defines them:
 * ``host_pressure``: ``write_back`` could not get host room for the backup, so the leaf is dropped;
 * ``write_through_unbacked_eviction``: an unbacked leaf deleted under exactly ``write_through``.
 
+What the operator asks next, from bookkeeping on the tree's own nodes (bounded by the tree, gone with the node):
+
+* ``hicache.request.kv_wait``: tier ``host``, from when an admitted request needed its host KV (the load back was
+  decided) until the merged H->D copy's finish event, read when the load's ack is seen complete (see
+  :mod:`.controller`); tier ``storage``, from the decision to prefetch until the prefetch let the request go on
+  (done, or given up after ``prefetch_timeout_s``). A request that needed neither records nothing.
+* per evicted entry (a node's copy on that tier): ``idle_s`` since its last use there (device: computed, loaded back
+  or hit; host: written by a backup or prefetch, or loaded back), ``reused`` (device: matched as a device hit since
+  the copy was made; host: loaded back since it was written) and, on the host, ``unread_bytes``: the bytes of a
+  host copy nothing loaded back, by the transfer that wrote it (``backup`` or ``storage_prefetch``). Device copies
+  are read by the forward that made them: no unread bytes.
+* The L3 file store never evicts (its files stay until a backup rewrites them or a bad entry is withdrawn), so there
+  is no storage-tier eviction, age or ``storage_backup`` waste to report, and none is made up. Host copies deleted
+  together with a dropped device ancestor are part of the drop, not a host eviction (as in SGLang).
+
 Everything is reported through :class:`HiCacheTelemetry`; ``stats`` keeps independent ground truth for tests.
 """
 
@@ -23,13 +38,22 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from opentelemetry.trace import Span
 
 from otel_hicache.cache.content import page_content, page_hashes
-from otel_hicache.cache.controller import CacheController
+from otel_hicache.cache.controller import CacheController, KvWaiter, span_links
 from otel_hicache.cache.pools import PoolGroup, PoolSpec, Value, value_slots
 from otel_hicache.cache.radix import Node, RadixTree
 from otel_hicache.cache.storage import FileStore, StorageJob
-from otel_hicache.records import DropRecord, EvictionRecord, PoolUsage, PrefixSplit, TransferFailure
+from otel_hicache.records import (
+    DropRecord,
+    EvictedEntry,
+    EvictionRecord,
+    KvWait,
+    PoolUsage,
+    PrefixSplit,
+    TransferFailure,
+)
 from otel_hicache.semconv import DropReason, Tier, TransferOperation, WritePolicy
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import now_ns
@@ -130,8 +154,12 @@ class HiCache:
         storage = self.store.hit_pages(names[pos // ps :]) * ps if self.store is not None else 0
         return PrefixMatch(match.device_len, match.host_len, storage)
 
-    def admit(self, tokens: Sequence[int]) -> Admission:
-        """Serve one prefill: reuse every cached tier, compute and cache the rest. Hold the path until release()."""
+    def admit(self, tokens: Sequence[int], request_span: Span | None = None) -> Admission:
+        """Serve one prefill: reuse every cached tier, compute and cache the rest. Hold the path until release().
+
+        ``request_span``: the request's span, which gets the prefix split and the KV waits (``hicache.kv_wait.<tier>``,
+        the host one once the load is seen complete, if the span is still open) and which the load back and
+        prefetch serving it link to."""
         self.step()
         self.stats.requests += 1
         ps = self.config.page_size
@@ -139,6 +167,9 @@ class HiCache:
         key = list(tokens[:full])
         names = page_hashes(key, ps)
         match = self.tree.match(key, names)
+        now = time.monotonic_ns()
+        for hit in match.device_nodes:
+            hit.device_used_ns, hit.device_reused = now, True
         last = match.last or self.tree.root
         self.tree.inc_lock(last)
         host_nodes = list(match.host_nodes)
@@ -147,14 +178,14 @@ class HiCache:
         if self.store is not None and pos < full:
             pages = self.store.hit_pages(names[pos // ps :])
             if pages * ps >= self.config.prefetch_threshold:
-                node = self._prefetch(last, key, names, pos, pages)
+                node = self._prefetch(last, key, names, pos, pages, request_span)
                 if node is not None:
                     last = self._move_lock(last, node)
                     host_nodes.append(node)
                     storage_len = node.num_tokens
                     pos += storage_len
         host_len = sum(n.num_tokens for n in host_nodes) - storage_len
-        if host_nodes and not self._load_back(host_nodes):
+        if host_nodes and not self._load_back(host_nodes, request_span):
             # Not loaded: those tokens are computed again and the host-only nodes revived with the new KV.
             host_len = storage_len = 0
             self._revive(host_nodes)
@@ -172,7 +203,7 @@ class HiCache:
             host_hit=host_len,
             storage_hit=storage_len,
         )
-        self.telemetry.record_prefix_split(split)
+        self.telemetry.record_prefix_split(split, request_span)
         for mode, n in split.by_mode().items():
             self.stats.prefix[mode.value] += n
         return Admission(split, last, path)
@@ -234,6 +265,7 @@ class HiCache:
     def _compute(self, node: Node) -> None:
         """The model writes the node's KV on the device (deterministic content; see :mod:`content`)."""
         assert node.device is not None
+        node.device_used_ns, node.device_reused = time.monotonic_ns(), False
         seed = self.config.seed
         for name, pool in self.device.pools.items():
             index_pool = pool.spec.sidecar_of or name
@@ -272,6 +304,7 @@ class HiCache:
         if host_value is None:
             return False
         node.host, node.ticket = host_value, [False]
+        node.host_used_ns, node.host_reused, node.host_unread = time.monotonic_ns(), False, TransferOperation.BACKUP
         self.tree.inc_lock(node)  # until the write ack
         return True
 
@@ -309,9 +342,14 @@ class HiCache:
         self._storage_jobs[id(job)] = (job, node, sum(n.num_tokens for n in nodes))
         self.store.submit(job)
 
-    def _prefetch(self, parent: Node, key: list[int], names: list[str], pos: int, pages: int) -> Node | None:
-        """Bring ``pages`` stored pages after ``parent`` into host memory; the new host-only node, or None."""
+    def _prefetch(
+        self, parent: Node, key: list[int], names: list[str], pos: int, pages: int, request_span: Span | None
+    ) -> Node | None:
+        """Bring ``pages`` stored pages after ``parent`` into host memory; the new host-only node, or None.
+
+        The request waits for it (its ``storage`` KV wait) from here until the job is done or given up."""
         assert self.store is not None
+        needed_ns = time.monotonic_ns()
         ps = self.config.page_size
         if not self.host.can_alloc(pages, False):
             self.evict_host(pages * ps)
@@ -327,11 +365,15 @@ class HiCache:
             )
             return None
         first = pos // ps
-        job = StorageJob(TransferOperation.STORAGE_PREFETCH, parent.id, names[first : first + pages], value)
+        job = StorageJob(TransferOperation.STORAGE_PREFETCH, parent.id, names[first : first + pages], value,
+                         links=span_links(request_span))  # fmt: skip
         if not self.store.submit(job):
             self.host.free(value)
             return None
-        if not job.done.wait(self.config.prefetch_timeout_s):
+        finished = job.done.wait(self.config.prefetch_timeout_s)
+        waited_s = (time.monotonic_ns() - needed_ns) / 1e9
+        self.telemetry.record_kv_wait(KvWait(Tier.STORAGE, waited_s, now_ns()), request_span)
+        if not finished:
             self._abandoned[id(job)] = (job, value)  # the thread still writes these pages: free them later
             return None
         got = job.pages_done
@@ -340,6 +382,7 @@ class HiCache:
             return None
         node = self.tree.add_child(parent, key[pos : pos + got * ps], names[first : first + got])
         node.host = {pool: ids[:got] for pool, ids in value.items()}
+        node.host_used_ns, node.host_unread = time.monotonic_ns(), TransferOperation.STORAGE_PREFETCH
         return node
 
     def _drain_storage(self) -> None:
@@ -361,12 +404,15 @@ class HiCache:
                 self.host.free(abandoned[1])
 
     # ------------------------------------------------------------------ load back
-    def _load_back(self, nodes: list[Node]) -> bool:
-        """H->D for the evicted path, all or nothing; False when skipped (threshold) or the device is full."""
+    def _load_back(self, nodes: list[Node], request_span: Span | None) -> bool:
+        """H->D for the evicted path, all or nothing; False when skipped (threshold) or the device is full.
+
+        The request needs the KV from here on: its ``host`` KV wait runs from this point to the copy's finish."""
         tokens = sum(n.num_tokens for n in nodes)
         if tokens < self.config.load_back_threshold:
             self.stats.load_back_skipped += 1
             return False
+        needed = self.controller.mark_needed()
         pages = sum(len(n.names) for n in nodes)
         states = sum(1 for n in nodes if n.host is not None and any(p in n.host for p in self.per_node))
         self._make_device_room(pages, states)
@@ -380,10 +426,13 @@ class HiCache:
                 self.controller.cancel_loads(len(loaded))
                 return False
             loaded.append((node, value))
+        now = time.monotonic_ns()
         for node, value in loaded:
             node.device = value
+            node.device_used_ns, node.device_reused = now, False  # a new device copy, read by this forward
+            node.host_used_ns, node.host_reused, node.host_unread = now, True, None  # the host copy served a hit
             self.tree.inc_lock(node)  # until the load ack
-        self.controller.start_loading()
+        self.controller.start_loading(KvWaiter(needed, request_span))
         self.controller.fence_loads()
         return True
 
@@ -408,11 +457,13 @@ class HiCache:
         heap = [(n.last_access, n.id, n) for n in self._device_leaves()]
         heapq.heapify(heap)
         freed = 0
+        entries: list[EvictedEntry] = []
         while heap and (freed < num_tokens or (states and not self._device_states_free(states))):
             _, _, node = heapq.heappop(heap)
             if not self._is_device_leaf(node):
                 continue
             parent = node.parent
+            entry = EvictedEntry(node.num_tokens, _idle_s(node.device_used_ns), node.device_reused)
             if node.backed:
                 self._demote(node)
             elif self.policy is WritePolicy.WRITE_BACK:
@@ -428,9 +479,10 @@ class HiCache:
                 if not self._drop(node, reason):
                     continue
             freed += node.num_tokens
+            entries.append(entry)
             if parent is not None and self._is_device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        self._record_eviction(Tier.DEVICE, freed, start)
+        self._record_eviction(Tier.DEVICE, freed, start, entries)
         return freed
 
     def evict_host(self, num_tokens: int, states: int = 0) -> int:
@@ -439,6 +491,7 @@ class HiCache:
         heap = [(n.last_access, n.id, n) for n in self.tree.nodes.values() if self._is_host_leaf(n)]
         heapq.heapify(heap)
         freed = 0
+        entries: list[EvictedEntry] = []
         host_state_free = lambda: all(self.host.pools[p].free_slots >= states for p in self.per_node)  # noqa: E731
         while heap and (freed < num_tokens or (states and not host_state_free())):
             _, _, node = heapq.heappop(heap)
@@ -446,12 +499,15 @@ class HiCache:
                 continue
             parent = node.parent
             assert node.host is not None
+            unread = self.controller.bytes_of(node.host) if node.host_unread is not None else 0
+            entries.append(EvictedEntry(node.num_tokens, _idle_s(node.host_used_ns), node.host_reused, unread,
+                                        node.host_unread))  # fmt: skip
             self.host.free(node.host)
             self.tree.remove(node)
             freed += node.num_tokens
             if parent is not None and self._is_host_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        self._record_eviction(Tier.HOST, freed, start)
+        self._record_eviction(Tier.HOST, freed, start, entries)
         return freed
 
     def _demote(self, node: Node) -> None:
@@ -479,11 +535,11 @@ class HiCache:
                 self.stats.dropped[(reason.value, pool)] += slots
         return True
 
-    def _record_eviction(self, tier: Tier, freed: int, start: float) -> None:
+    def _record_eviction(self, tier: Tier, freed: int, start: float, entries: list[EvictedEntry]) -> None:
         if freed:
             duration = time.perf_counter() - start
             self.telemetry.record_eviction(
-                EvictionRecord(tier=tier, num_tokens=freed, duration_s=duration, time_ns=now_ns())
+                EvictionRecord(tier=tier, num_tokens=freed, duration_s=duration, time_ns=now_ns(), entries=entries)
             )
             self.stats.evicted[tier.value] += freed
             self.stats.evictions[tier.value] += 1
@@ -510,6 +566,11 @@ class HiCache:
             and node.lock == 0
             and node.host_lock == 0
         )
+
+
+def _idle_s(used_ns: int) -> float:
+    """Seconds since a copy's last use (a monotonic time stamp taken when it was used)."""
+    return max(0, time.monotonic_ns() - used_ns) / 1e9
 
 
 def default_device() -> str:

@@ -1,7 +1,9 @@
 """Radix tree over page-aligned token ids: structure, matching, splitting, lock references.
 
-Each node holds a run of whole pages and, per tier, the page ids of its KV (``device`` / ``host`` values). The
-tree keeps two invariants the cache relies on: device residency is prefix-closed (a node on the device has its
+Each node holds a run of whole pages and, per tier, the page ids of its KV (``device`` / ``host`` values) and what
+an eviction reports about that copy: when it was last used, whether it served a hit, and (host) which transfer wrote
+it if nothing has read it back yet. That bookkeeping lives on the node, so it is bounded by the tree and goes with the
+node. The tree keeps two invariants the cache relies on: device residency is prefix-closed (a node on the device has its
 parent on the device), and every node is on the device or the host (nothing else is kept in the tree). Policies,
 transfers and eviction live in :mod:`otel_hicache.cache.hicache`; this module only knows the shape.
 """
@@ -13,15 +15,21 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from otel_hicache.cache.pools import Value
+from otel_hicache.semconv import TransferOperation
 
 
 class Node:
     __slots__ = (
         "children",
         "device",
+        "device_reused",
+        "device_used_ns",
         "hits",
         "host",
         "host_lock",
+        "host_reused",
+        "host_unread",
+        "host_used_ns",
         "id",
         "key",
         "last_access",
@@ -44,6 +52,14 @@ class Node:
         self.host_lock = 0  # in-flight storage backups reading the host copy
         self.hits = 0
         self.last_access = 0
+        # Per tier, for eviction: last use (monotonic ns: written, hit or loaded back) and whether a hit was served
+        # from that copy since it was made. host_unread: the transfer that wrote the host copy while nothing has
+        # loaded it back (backup or storage_prefetch); None once read back.
+        self.device_used_ns = 0
+        self.device_reused = False
+        self.host_used_ns = 0
+        self.host_reused = False
+        self.host_unread: TransferOperation | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +137,8 @@ class RadixTree:
         node.host = _split_value(node.host, pages, per_node, upper_side=False)
         upper.ticket, upper.lock, upper.host_lock = node.ticket, node.lock, node.host_lock
         upper.hits, upper.last_access = node.hits, node.last_access
+        upper.device_used_ns, upper.device_reused = node.device_used_ns, node.device_reused
+        upper.host_used_ns, upper.host_reused, upper.host_unread = node.host_used_ns, node.host_reused, node.host_unread
         assert node.parent is not None
         node.parent.children[upper.key[:ps]] = upper
         node.key, node.names = node.key[tokens:], node.names[pages:]

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from opentelemetry.trace import SpanContext
 
 from otel_hicache.cache.pools import PoolGroup
 from otel_hicache.records import TransferFailure, TransferRecord
@@ -72,6 +73,7 @@ class StorageJob:
     host_value: dict[str, list[int]]  # host page per name, for every owning per-token pool
     pages_done: int = 0  # backup: pages now in the store; prefetch: leading pages loaded into host memory
     done: threading.Event = field(default_factory=threading.Event)
+    links: tuple[SpanContext, ...] = ()  # the request spans the job serves (a prefetch: the request waiting for it)
 
 
 class StorageStats:
@@ -243,7 +245,7 @@ class FileStore:
             written += 1
             job.pages_done = i + 1
         if written:
-            self._report(STORAGE_BACKUP, written, submit_ns, time.perf_counter() - t0)
+            self._report(job, written, submit_ns, time.perf_counter() - t0)
 
     def _prefetch(self, job: StorageJob) -> None:
         submit_ns, t0 = now_ns(), time.perf_counter()
@@ -255,7 +257,7 @@ class FileStore:
             self._load_payload(job.host_value, i, payload)
             job.pages_done = i + 1
         if job.pages_done:
-            self._report(STORAGE_PREFETCH, job.pages_done, submit_ns, time.perf_counter() - t0)
+            self._report(job, job.pages_done, submit_ns, time.perf_counter() - t0)
 
     def _fetch(self, name: str) -> memoryview | str:
         """The payload of ``name``'s entry, or why it cannot be served (then the page is withdrawn)."""
@@ -385,13 +387,13 @@ class FileStore:
             self.stats.bytes[(STORAGE_PREFETCH.value, name)] += n
 
     # ------------------------------------------------------------------ reporting
-    def _report(self, op: TransferOperation, pages: int, submit_ns: int, seconds: float) -> None:
+    def _report(self, job: StorageJob, pages: int, submit_ns: int, seconds: float) -> None:
         slots = pages * self._page_size
         tokens = {n: slots for n in self.pools if n in self.owning}
         by_pool = {n: slots * self.host.pools[n].spec.bytes_per_slot for n in self.pools}
         self.telemetry.record_transfer(
             TransferRecord(
-                operation=op,
+                operation=job.operation,
                 tokens_by_pool=tokens,
                 num_bytes=sum(by_pool.values()),
                 submit_time_ns=submit_ns,
@@ -402,6 +404,7 @@ class FileStore:
                 node_count=1,
                 bytes_by_pool=by_pool,
                 io_backend="file",
+                links=job.links,
             )
         )
 

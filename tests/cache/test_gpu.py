@@ -38,3 +38,16 @@ def test_cuda_cache_uses_streams_events_and_pinned_memory(csdk, tmp_path) -> Non
 def test_cuda_demo_runs(csdk) -> None:
     result = run_demo(csdk.telemetry, requests=100, device="cuda")
     assert result.device == "cuda" and result.copied_tokens["load_back"]["kv"] > 0
+
+
+def test_cuda_load_backs_time_the_request_wait_on_the_device(csdk, tmp_path) -> None:
+    """The host KV wait runs from an event on the compute stream to the load's finish event, both read once complete:
+    at most one wait per merged load (a copy done before the forward needed it is no wait)."""
+    cache = HiCache(small_config(tmp_path, "write_through", device="cuda"), csdk.telemetry)
+    try:
+        run_workload(cache, 120)
+    finally:
+        cache.close()
+    loads = cache.controller.stats.transfers["load_back"]
+    host = csdk.points(sc.METRIC_REQUEST_KV_WAIT)[frozenset({sc.ATTR_TIER: "host"}.items())]
+    assert 0 < host.count <= loads and host.sum > 0

@@ -330,6 +330,9 @@ def test_grafana_loads_the_dashboard_from_the_mounted_folder_and_its_panels_use_
     dashboard = json.loads(DASHBOARD.read_text())
     panels = dashboard["panels"]
     assert len({p["id"] for p in panels}) == len(panels)
+    rows = [p for p in panels if p["type"] == "row"]
+    assert all(not row.get("panels") and not row.get("targets") for row in rows)  # layout only, never collapsed
+    panels = [p for p in panels if p["type"] != "row"]
     for panel in panels:
         assert panel["datasource"]["uid"] in uids, panel["title"]
         assert panel["targets"], panel["title"]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.pipeline.support import CONFIG, RULES, needs
+from tests.pipeline.support import CONFIG, DASHBOARD, RULES, needs
 
 pytestmark = pytest.mark.prometheus
 
@@ -33,7 +35,7 @@ def test_alert_rule_unit_tests_pass() -> None:
     assert "SUCCESS" in result.stdout
 
 
-def test_a_broken_expectation_fails_the_rule_unit_tests(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_broken_expectation_fails_the_rule_unit_tests(tmp_path: Path) -> None:
     """The unit tests can fail: the same file with one threshold expectation changed does."""
     text = (CONFIG / "rules" / "hicache.rules.test.yml").read_text()
     broken = text.replace('summary: "node1: host pool kv is 98% full"', 'summary: "node1: host pool kv is 50% full"')
@@ -48,6 +50,23 @@ def test_a_broken_expectation_fails_the_rule_unit_tests(tmp_path) -> None:  # ty
         cwd=tmp_path,
     )
     assert result.returncode != 0
+
+
+def unit_tests_of_edited_rules(tmp_path: Path, edits: list[tuple[str, str]]) -> subprocess.CompletedProcess[str]:
+    """The shipped rule unit tests, run against the shipped rules with each ``(text, replacement)`` applied."""
+    broken = RULES.read_text()
+    for old, new in edits:
+        assert old in broken, old
+        broken = broken.replace(old, new)
+    (tmp_path / "hicache.rules.yml").write_text(broken)
+    (tmp_path / "hicache.rules.test.yml").write_text((CONFIG / "rules" / "hicache.rules.test.yml").read_text())
+    return subprocess.run(
+        [needs("promtool"), "test", "rules", "hicache.rules.test.yml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
 
 
 #: Ways to get L2 bandwidth wrong, as edits of the shipped rule: (fault, [(text, replacement), ...]).
@@ -65,18 +84,78 @@ def test_the_bandwidth_unit_tests_catch_a_rule_that_mixes_timings_or_counts_unti
     tmp_path: Path, fault: str, edits: list[tuple[str, str]]
 ) -> None:
     """Bandwidth is bytes of timed transfers / their copy time, per timing source; each wrong rule fails."""
-    broken = RULES.read_text()
-    for old, new in edits:
-        assert old in broken, fault
-        broken = broken.replace(old, new)
-    (tmp_path / "hicache.rules.yml").write_text(broken)
-    (tmp_path / "hicache.rules.test.yml").write_text((CONFIG / "rules" / "hicache.rules.test.yml").read_text())
-    result = subprocess.run(
-        [needs("promtool"), "test", "rules", "hicache.rules.test.yml"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
+    result = unit_tests_of_edited_rules(tmp_path, edits)
     assert result.returncode != 0, fault
     assert "hicache:transfer_bandwidth_bytes_per_second:rate5m" in result.stdout + result.stderr, fault
+
+
+#: Ways to get load versus recompute wrong, as edits of the shipped rules: (fault, rule the tests catch, edits).
+RECOMPUTE_FAULTS = [
+    (
+        "copy seconds of every TP rank added up",
+        "hicache:load_seconds_per_token:rate5m",
+        [("and on (job, instance, hicache_operation) sum by (job, instance, hicache_operation) "
+          '(hicache_transfer_tokens_total{hicache_pool="kv"})', "")],
+    ),
+    (
+        "untimed copies taken as free",
+        "hicache:load_seconds_per_token:rate5m",
+        [('* sum by (job, instance, hicache_operation) (rate(hicache_transfer_size_bytes_total{hicache_operation=~"'
+          'load_back|storage_prefetch"}[5m]))', ""), ('/ (sum by (job, instance, hicache_operation) (rate('
+          'hicache_transfer_size_bytes_total{hicache_operation=~"load_back|storage_prefetch", hicache_timing_source!="'
+          'none"}[5m])) > 0)', "")],
+    ),
+    (
+        "state slots counted as tokens",
+        "hicache:load_seconds_per_token:rate5m",
+        [(', hicache_pool="kv"}', "}")],  # the denominator's tokens
+    ),
+    (
+        "decode passes counted as prefill work",
+        "hicache:engine_prefill_seconds_per_token:rate5m",
+        [('{category=~"extend|split_prefill"}', "")],
+    ),
+    (
+        "cached prompt tokens counted as recomputed",
+        "hicache:engine_prefill_seconds_per_token:rate5m",
+        [('{mode="prefill_compute"}', "")],
+    ),
+    (
+        "storage prefetches alerted on",
+        "HiCacheLoadSlowerThanRecompute",
+        [('rate5m{hicache_operation="load_back"}', "rate5m")],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fault", "rule", "edits"), RECOMPUTE_FAULTS, ids=[f for f, _, _ in RECOMPUTE_FAULTS])
+def test_the_load_versus_recompute_unit_tests_catch_each_wrong_rule(
+    tmp_path: Path, fault: str, rule: str, edits: list[tuple[str, str]]
+) -> None:
+    """Load seconds per token (one rank per TP group, untimed copies scaled in, kv tokens only) and the engines'
+    prefill seconds per computed token: each way of getting them wrong fails the unit tests, on that rule."""
+    result = unit_tests_of_edited_rules(tmp_path, edits)
+    assert result.returncode != 0, fault
+    assert rule in result.stdout + result.stderr, fault
+
+
+def test_the_dashboards_load_versus_recompute_panel_shows_the_rules_the_unit_tests_check() -> None:
+    """Its two lines are the two recording rules themselves (evaluated for SGLang and vLLM by the unit tests; the demo
+    has no engine prefill timing for the end-to-end test to read)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    (panel,) = [p for p in dashboard["panels"] if p["title"].startswith("Load vs recompute")]
+    assert [t["expr"] for t in panel["targets"]] == [
+        "hicache:load_seconds_per_token:rate5m",
+        "hicache:engine_prefill_seconds_per_token:rate5m",
+    ]
+    tests = yaml.safe_load((CONFIG / "rules" / "hicache.rules.test.yml").read_text())["tests"]
+    checked = [
+        sample["labels"]
+        for test in tests
+        for case in test.get("promql_expr_test", [])
+        for sample in case["exp_samples"]
+        if case["expr"] in {t["expr"] for t in panel["targets"]}
+    ]
+    for engine in ("sglang", "vllm"):
+        assert any(f'hicache_engine="{engine}"' in labels and "engine_prefill" in labels for labels in checked)
+        assert any(f'hicache_engine="{engine}"' in labels and "load_seconds" in labels for labels in checked)

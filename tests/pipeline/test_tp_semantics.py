@@ -26,6 +26,14 @@ pytestmark = pytest.mark.prometheus
 
 #: Series counted in tokens (Prometheus names): reported by one rank per TP group.
 TOKEN_SERIES = re.compile(r"hicache_(prefill|transfer|dropped|eviction)_tokens_total|hicache_pool_")
+#: Shipped rules over token series (directly or through another rule) that must be under test.
+TOKEN_RULES = (
+    "hicache:prefill_hit_ratio:rate5m",
+    "hicache:drop_ratio:rate5m",
+    "hicache:pool_used_ratio",
+    "hicache:eviction_never_reused_ratio:rate5m",
+    "hicache:load_seconds_per_token:rate5m",  # copy seconds of the token-reporting rank only
+)
 #: Grafana's variables, as a dashboard user with every job and instance selected would have them.
 GRAFANA = {"$job": ".*", "$instance": ".*", "$__rate_interval": "5m", "$__interval": "1m"}
 
@@ -39,16 +47,22 @@ TOKENS_PER_MINUTE: list[tuple[str, float]] = [
     ('hicache_transfer_tokens_total{hicache_operation="load_back",hicache_pool="kv"}', 200),
     ('hicache_dropped_tokens_total{hicache_drop_reason="host_pressure",hicache_pool="kv"}', 20),
     ('hicache_eviction_tokens_total{hicache_tier="device"}', 300),
+    ('hicache_eviction_tokens_total{hicache_tier="device",hicache_eviction_reused="true"}', 100),
+    ('hicache_eviction_tokens_total{hicache_tier="device",hicache_eviction_reused="false"}', 200),
+    ('hicache_eviction_tokens_total{hicache_tier="host",hicache_eviction_reused="false"}', 150),
 ]
-POOL_GAUGES: list[tuple[str, float]] = [
+GAUGES: list[tuple[str, float]] = [
     ('hicache_pool_usage{hicache_tier="host",hicache_pool="kv",hicache_pool_state="used"}', 500),
     ('hicache_pool_limit{hicache_tier="host",hicache_pool="kv"}', 1000),
+    ('target_info{hicache_engine="sglang"}', 1),  # every process: the per-engine rules join it
 ]
 PER_RANK_PER_MINUTE: list[tuple[str, float]] = [
     ('hicache_transfer_size_bytes_total{hicache_operation="backup"}', 4e6),
     ('hicache_transfer_size_bytes_total{hicache_operation="load_back"}', 2e6),
     ('hicache_transfer_duration_seconds_sum{hicache_operation="backup"}', 0.5),
     ('hicache_transfer_duration_seconds_count{hicache_operation="backup"}', 10),
+    ('hicache_transfer_duration_seconds_sum{hicache_operation="load_back"}', 0.2),  # each rank copies its shard
+    ('hicache_wasted_size_bytes_total{hicache_operation="backup"}', 1e6),
     ('otel_sdk_processor_span_processed_total{error_type=""}', 20),
 ]
 
@@ -70,7 +84,7 @@ def _input_series(tokens_on_every_rank: bool) -> list[dict[str, str]]:
 
     for series, step, gauge in [
         *((s, v, False) for s, v in TOKENS_PER_MINUTE),
-        *((s, v, True) for s, v in POOL_GAUGES),
+        *((s, v, True) for s, v in GAUGES),
         *((s, v, False) for s, v in PER_RANK_PER_MINUTE),
     ]:
         out.append({"series": _labels(series, "rank0"), "values": both_runs(series, step, gauge)})
@@ -139,7 +153,7 @@ def test_every_token_rule_and_dashboard_query_reads_the_same_over_two_tp_ranks_a
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "SUCCESS" in result.stdout
     # What is under test: the token rules of the shipped file and the dashboard's token panels.
-    assert {"hicache:prefill_hit_ratio:rate5m", "hicache:drop_ratio:rate5m", "hicache:pool_used_ratio"} <= set(names)
+    assert set(TOKEN_RULES) <= set(names)
     assert sum(name.startswith("dashboard:") for name in names) >= 5
 
 
