@@ -1,12 +1,12 @@
-"""The wrapt wrappers around vLLM's KV offloading classes.
+"""The wrapt wrappers around vLLM's KV offloading connector: transfers and failures (the CPU tier's wrappers are in
+:mod:`.cpu_tier`, the requests' in :mod:`.per_request`; what they share, :class:`Hooks`, is here).
 
 Worker side (one process per GPU worker): a transfer is noted when vLLM's ``OffloadingConnectorWorker`` submits it
-(job id, direction, GPU blocks) and reported when its ``get_finished`` consumes the worker's ``TransferResult``: the
-wrapper sees each result exactly where vLLM counts it, as the ``DirectionalTransferStats.record(bytes, time)`` call
-(vLLM's own ``vllm:kv_offload_*`` bytes and time) followed by ``OffloadingWorkerMetadata.mark_completed(job_id)``.
-Scheduler side (the engine-core process): ``OffloadingConnectorStats.increase_counter`` of the allocation-failure
-counter, and the CPU tier's occupancy and evictions, from the ``CPUOffloadingManager`` that
-``CPUOffloadingSpec.get_manager`` built.
+(job id, direction, GPU blocks, the request span it serves) and reported when its ``get_finished`` consumes the
+worker's ``TransferResult``: the wrapper sees each result exactly where vLLM counts it, as the
+``DirectionalTransferStats.record(bytes, time)`` call (vLLM's own ``vllm:kv_offload_*`` bytes and time) followed by
+``OffloadingWorkerMetadata.mark_completed(job_id)``. Scheduler side (the engine-core process):
+``OffloadingConnectorStats.increase_counter`` of the allocation-failure counter.
 
 Tokens of a transfer are the logical token positions it covers, per pool by the kind of each KV cache group
 (:data:`~otel_hicache.integrations.vllm.semconv.GROUP_POOLS`: full attention ``kv``, sliding window ``swa``, ...): a
