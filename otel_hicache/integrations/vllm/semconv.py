@@ -45,9 +45,10 @@ def group_pool(kind: str, is_eagle_group: bool, role: str) -> str:
 #: no room in the CPU tier.
 ALLOCATION_FAILURE: Final = "vllm:kv_offload_allocation_failure"
 
-#: Every ``vllm:kv_offload_*`` series the adapter reproduces and the otel_hicache series that carries the same
-#: quantity (Prometheus names, as the Collector's ``prometheus`` exporter writes ours). vLLM sums bytes and time over
-#: the workers of an engine; ours are per worker (Resource ``hicache.rank.*``): sum them to compare.
+#: Every vLLM series the adapter reproduces (its ``vllm:kv_offload_*`` transfers and failures, its prompt tokens by
+#: source) and the otel_hicache series that carries the same quantity (Prometheus names, as the Collector's
+#: ``prometheus`` exporter writes ours). vLLM sums bytes and time over the workers of an engine; ours are per worker
+#: (Resource ``hicache.rank.*``): sum them to compare.
 VLLM_SERIES: Final[tuple[tuple[str, str], ...]] = (
     ("vllm:kv_offload_store_bytes", 'hicache_transfer_size_bytes_total{hicache_operation="backup"}'),
     ("vllm:kv_offload_store_time", 'hicache_transfer_duration_seconds_sum{hicache_operation="backup"}'),
@@ -64,4 +65,12 @@ VLLM_SERIES: Final[tuple[tuple[str, str], ...]] = (
     ('vllm:kv_offload_total_time{transfer_type="CPU_to_GPU"}',
      'hicache_transfer_duration_seconds_sum{hicache_operation="load_back"}'),
     (ALLOCATION_FAILURE, 'hicache_transfer_failures_total{hicache_operation="backup",error_type="host_pool_full"}'),
+    ('vllm:prompt_tokens_by_source{source="local_compute"}',
+     'hicache_prefill_tokens_total{hicache_prefill_mode="input"}'),
+    ('vllm:prompt_tokens_by_source{source="local_cache_hit"}',
+     'hicache_prefill_tokens_total{hicache_prefill_mode="device_hit"}'),
+    ('vllm:prompt_tokens_cached_by_source{source="host"}',
+     'hicache_prefill_tokens_total{hicache_prefill_mode="host_hit"}'),
+    ('vllm:prompt_tokens_cached_by_source{source="disk"}',
+     'hicache_prefill_tokens_total{hicache_prefill_mode="storage_hit"}'),
 )  # fmt: skip
