@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 
+from otel_hicache.semconv import PrefillMode
 from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -314,6 +315,26 @@ def assert_transfers_equal_vllms(exported: Exported, vllm: dict[str, float], ope
     )
     assert exported.total("hicache.transfer.failures") == vllm_total(vllm, "vllm:kv_offload_allocation_failure_total")
     assert exported.total("otel_hicache.engine.mismatch") == 0
+
+
+def assert_prefill_split_equals_vllms(exported: Exported, vllm: dict[str, float]) -> dict[str, float]:
+    """vLLM counts each prompt token by where its KV came from; so do we, per tier (``VLLM_SERIES``). Returns our
+    split (the modes with tokens)."""
+    split = {}
+    for mode in PrefillMode:
+        tokens = exported.total("hicache.prefill.tokens", {"hicache.prefill.mode": mode.value})
+        if tokens:
+            split[mode.value] = tokens
+    by_source, cached = "vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_by_source_total"
+    expected = {
+        "input": vllm_total(vllm, by_source, source="local_compute"),
+        "device_hit": vllm_total(vllm, by_source, source="local_cache_hit"),
+        "host_hit": vllm_total(vllm, cached, source="host"),
+        "storage_hit": vllm_total(vllm, cached, source="disk"),
+    }
+    assert split == {mode: n for mode, n in expected.items() if n}
+    assert split.get("host_hit", 0) == vllm_total(vllm, by_source, source="external_kv_transfer")  # one tier: host
+    return split
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from tests.vllm.engine import (
     PROMPT_TOKENS,
     ROOT,
     Exported,
+    assert_prefill_split_equals_vllms,
     assert_transfers_equal_vllms,
     environment,
     holds_what_vllm_counted,
@@ -116,18 +117,8 @@ def test_the_cpu_tiers_capacity_and_occupancy_are_its_chunks_in_tokens(offline: 
 
 
 def test_the_tier_split_of_every_prefill_equals_vllms_own(offline: Run) -> None:
-    """vLLM counts each prompt token by where its KV came from; so do we, per tier."""
-    split = {
-        a["hicache.prefill.mode"]: p.as_int for a, p in offline.exported.points("hicache.prefill.tokens") if p.as_int
-    }
-    by_source = "vllm:prompt_tokens_by_source_total"
-    assert split == {
-        "input": offline.vllm_total(by_source, source="local_compute"),
-        "host_hit": offline.vllm_total(by_source, source="external_kv_transfer"),
-    }
-    assert split["host_hit"] == offline.vllm_total("vllm:prompt_tokens_cached_by_source_total", source="host")
-    assert split["host_hit"] == PROMPT_TOKENS  # the returning prompt
-    assert offline.vllm_total(by_source, source="local_cache_hit") == 0  # none was still in the engine's cache
+    split = assert_prefill_split_equals_vllms(offline.exported, offline.vllm)
+    assert split["host_hit"] == PROMPT_TOKENS  # the returning prompt; none was still in the engine's cache
 
 
 def test_the_one_request_that_loaded_from_the_cpu_tier_is_the_one_that_waited(offline: Run) -> None:

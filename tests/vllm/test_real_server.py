@@ -24,6 +24,7 @@ from tests.vllm.engine import (
     PROMPT_TOKENS,
     Exported,
     Server,
+    assert_prefill_split_equals_vllms,
     assert_transfers_equal_vllms,
     environment,
     holds_what_vllm_counted,
@@ -107,6 +108,11 @@ def test_bytes_time_and_count_summed_over_the_workers_equal_vllms_own_metrics(
 ) -> None:
     """vLLM counts a transfer per worker (each rank copies its own heads) and sums its workers, as we do."""
     assert_transfers_equal_vllms(served.exported, served.vllm, operation, direction)
+
+
+def test_the_tier_split_of_every_prefill_equals_vllms_own(served: Run) -> None:
+    split = assert_prefill_split_equals_vllms(served.exported, served.vllm)
+    assert split["host_hit"] == PROMPT_TOKENS  # counted once, by the scheduler, whatever the TP size
 
 
 def test_each_worker_rank_reports_its_bytes_and_only_rank_0_the_logical_tokens(served: Run) -> None:
