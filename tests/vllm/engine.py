@@ -183,6 +183,23 @@ def serve(model: str | os.PathLike[str], cpu_chunks: int, env: dict[str, str], *
             stop(process)
 
 
+def run_offline(model: str | os.PathLike[str], env: dict[str, str], *args: str, timeout_s: float = 600) -> str:
+    """Run :mod:`tests.vllm.offline_app` (vLLM's ``LLM`` and its engine processes) to its end; its output. On a
+    timeout its whole process group is killed."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.vllm.offline_app", str(model), *args], cwd=ROOT, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
 def stop(process: subprocess.Popen[str], timeout_s: float = 60) -> None:
     """SIGTERM, as vLLM's own launchers stop it; its whole process group is killed if it does not exit in time."""
     if process.poll() is None:

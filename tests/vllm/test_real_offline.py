@@ -17,8 +17,6 @@ Everything the plugin exported is compared with vLLM's own metrics, as its stat 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +31,13 @@ from tests.vllm.engine import (
     BLOCK_TOKENS,
     DIRECTIONS,
     PROMPT_TOKENS,
-    ROOT,
     Exported,
     assert_prefill_split_equals_vllms,
     assert_transfers_equal_vllms,
     environment,
     holds_what_vllm_counted,
     otlp_environment,
+    run_offline,
     vllm_total,
 )
 from tests.vllm.offline_app import result
@@ -71,14 +69,9 @@ class Run:
 @pytest.fixture(scope="module")
 def offline(tiny_model: Path) -> Iterator[Run]:
     with OtlpReceiver() as receiver:
-        done = subprocess.run(
-            [sys.executable, "-m", "tests.vllm.offline_app", str(tiny_model), "--cpu-chunks", str(CPU_CHUNKS),
-             "--requests", ",".join(map(str, REQUESTS))],
-            cwd=ROOT, env=environment(**otlp_environment(receiver, "vllm-offline")), capture_output=True, text=True,
-            timeout=600,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        out = result(done.stdout)
+        env = environment(**otlp_environment(receiver, "vllm-offline"))
+        requests = ",".join(map(str, REQUESTS))
+        out = result(run_offline(tiny_model, env, "--cpu-chunks", str(CPU_CHUNKS), "--requests", requests))
         run = Run(Exported(receiver), out["pid"], out["requests"], out["metrics"])
         # the engine's processes export their last window as they end
         assert run.exported.wait(

@@ -60,7 +60,7 @@ _TARGETS: Final[tuple[tuple[Target, str, str], ...]] = (
 
 class VLLMOffloadInstrumentor(EngineInstrumentor):
     """Spans and metrics for vLLM's KV offloading: transfers, allocation failures, the CPU tier's occupancy and
-    evictions.
+    evictions, each request's prefill split by tier and KV wait, and those on vLLM's own request span.
 
     ``instrument(**kwargs)`` accepts:
 
