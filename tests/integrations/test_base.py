@@ -19,7 +19,7 @@ import pytest
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled, suppress_instrumentation
 
 from otel_hicache import semconv as sc
-from otel_hicache.integrations._base import EngineInstrumentor, Target, Wrapper, checks_suppression
+from otel_hicache.integrations._base import EngineInstrumentor, ProcessSink, Target, Wrapper, checks_suppression
 from otel_hicache.records import TransferRecord
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.testing.sdk import Sdk
@@ -42,10 +42,12 @@ class ToyInstrumentor(EngineInstrumentor):
     def instrumentation_dependencies(self) -> Collection[str]:
         return ()  # a real adapter returns its entry of otel_hicache.package
 
-    def _wrappers(self, telemetry: HiCacheTelemetry, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
+    def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
         def offload(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             start = now_ns()
             moved = wrapped(*args, **kwargs)
+            telemetry = sink.get()  # built at the first event
+            assert telemetry is not None
             telemetry.record_transfer(
                 TransferRecord(
                     operation=sc.TransferOperation.BACKUP,
@@ -57,23 +59,27 @@ class ToyInstrumentor(EngineInstrumentor):
             )
             return moved
 
-        return [(Target("toy_engine", "KVStore", "offload"), offload)]
+        return [(Target("toy_engine", "KVStore", "offload", ("tokens",)), offload)]
 
 
 @pytest.fixture
-def toy_engine_path(tmp_path: Path) -> Iterator[None]:
-    (tmp_path / "toy_engine.py").write_text(TOY_ENGINE)
+def toy_engine_path(tmp_path: Path) -> Iterator[Path]:
+    """The toy engine as an installed package would be: ``toy_engine/__init__.py`` on ``sys.path``."""
+    package = tmp_path / "toy_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text(TOY_ENGINE)
     sys.path.insert(0, str(tmp_path))
-    yield
+    yield package
     sys.path.remove(str(tmp_path))
-    sys.modules.pop("toy_engine", None)
+    for name in [m for m in sys.modules if m == "toy_engine" or m.startswith("toy_engine.")]:
+        del sys.modules[name]
 
 
 def backed_up(sdk: Sdk) -> dict[tuple[Any, ...], int]:
     return {k: v for k, v in sdk.counters()[sc.METRIC_TRANSFER_TOKENS].items() if k[0] == "backup" and v}
 
 
-def test_a_toy_engine_is_patched_on_import_reports_and_is_restored(toy_engine_path: None, sdk: Sdk) -> None:
+def test_a_toy_engine_is_patched_on_import_reports_and_is_restored(toy_engine_path: Path, sdk: Sdk) -> None:
     instrumentor = ToyInstrumentor()
     instrumentor.instrument(tracer_provider=sdk.tracer_provider, meter_provider=sdk.meter_provider)
     try:
@@ -98,7 +104,7 @@ def test_a_toy_engine_is_patched_on_import_reports_and_is_restored(toy_engine_pa
     assert telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")] == 16  # nothing reported any more
 
 
-def test_uninstrument_disarms_patches_for_modules_not_imported_yet(toy_engine_path: None, sdk: Sdk) -> None:
+def test_uninstrument_disarms_patches_for_modules_not_imported_yet(toy_engine_path: Path, sdk: Sdk) -> None:
     instrumentor = ToyInstrumentor()
     instrumentor.instrument(telemetry=sdk.telemetry)
     instrumentor.uninstrument()
@@ -108,16 +114,14 @@ def test_uninstrument_disarms_patches_for_modules_not_imported_yet(toy_engine_pa
     assert backed_up(sdk) == {}
 
 
-def test_a_wrapper_marked_checks_suppression_is_installed_unguarded(toy_engine_path: None, sdk: Sdk) -> None:
+def test_a_wrapper_marked_checks_suppression_is_installed_unguarded(toy_engine_path: Path, sdk: Sdk) -> None:
     seen: list[bool] = []
 
     class SelfGuarded(EngineInstrumentor):
         def instrumentation_dependencies(self) -> Collection[str]:
             return ()
 
-        def _wrappers(
-            self, telemetry: HiCacheTelemetry, options: Mapping[str, Any]
-        ) -> Iterable[tuple[Target, Wrapper]]:
+        def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
             @checks_suppression
             def offload(
                 wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -139,7 +143,7 @@ def test_a_wrapper_marked_checks_suppression_is_installed_unguarded(toy_engine_p
     assert seen == [True, False]
 
 
-def test_instrument_cycles_before_the_engine_is_imported_keep_no_old_telemetry_alive(toy_engine_path: None) -> None:
+def test_instrument_cycles_before_the_engine_is_imported_keep_no_old_telemetry_alive(toy_engine_path: Path) -> None:
     instrumentor = ToyInstrumentor()
     old: list[weakref.ref[HiCacheTelemetry]] = []
     for _ in range(3):

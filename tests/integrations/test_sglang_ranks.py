@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from otel_hicache.integrations.sglang.plugin import reports_tokens
+from otel_hicache.integrations.sglang.instrumentor import reports_tokens
 
 
 @pytest.mark.parametrize(
@@ -16,7 +16,9 @@ from otel_hicache.integrations.sglang.plugin import reports_tokens
         ({"tp": 0, "attn_tp": 0, "pp": 1}, False),  # a later pipeline stage: the same tokens again
         ({"tp": 3, "attn_tp": 0, "pp": 0, "dp": 1}, True),  # attention DP: rank 0 of its own attention-TP group
         ({"tp": 1, "pp": 0}, False),  # attention-TP unknown: the TP rank decides
+        ({"tp": 2, "attn_tp": 0, "attn_cp": 1, "pp": 0}, False),  # context parallel: another CP rank, same tokens
+        ({"tp": 0, "attn_tp": 0, "attn_cp": 0, "pp": 0}, True),
     ],
 )
-def test_one_rank_per_attention_tp_and_pp_group_reports_tokens(ranks: dict[str, int], reports: bool) -> None:
+def test_one_rank_per_attention_tp_cp_and_pp_group_reports_tokens(ranks: dict[str, int], reports: bool) -> None:
     assert reports_tokens(ranks) is reports

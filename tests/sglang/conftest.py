@@ -1,4 +1,4 @@
-"""Fixtures for running SGLang 0.5.23's real HiCache classes on a CPU (run in .venv-sglang).
+"""Fixtures for running SGLang's real HiCache classes on a CPU (run in .venv-sglang; .venv-sglang-0.5.22 for 0.5.22).
 
 The CPU shims, the cache builder and the file L3 backend live in :mod:`otel_hicache.testing.sglang` (the benchmarks
 use the same); the SDK is :func:`otel_hicache.testing.sdk.make_sdk`, with the production Views.
@@ -15,6 +15,9 @@ import pytest
 
 from otel_hicache.testing.sdk import Sdk
 from otel_hicache.testing.sglang import FileStorage, file_storage, install_cpu_shims
+from tests.integrations.support import fresh_warnings
+
+__all__ = ["fresh_warnings"]
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from array import array
+from importlib.metadata import version
 from typing import Any
 
 import pytest
@@ -279,9 +280,7 @@ def test_unsupported_sglang_warns_once_and_patches_nothing(
 
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
 
-    instrumentor = SGLangHiCacheInstrumentor()
     monkeypatch.setattr(SGLangHiCacheInstrumentor, "instrumentation_dependencies", lambda self: ("sglang >= 99.0",))
-    monkeypatch.setattr(instrumentor, "_warned", set(), raising=False)
     original = vars(HiCacheController)["start_writing"]
     with caplog.at_level(logging.WARNING):
         SGLangHiCacheInstrumentor().instrument(telemetry=otel.telemetry)
@@ -289,7 +288,7 @@ def test_unsupported_sglang_warns_once_and_patches_nothing(
     assert not SGLangHiCacheInstrumentor().is_instrumented_by_opentelemetry
     assert vars(HiCacheController)["start_writing"] is original
     warnings = [r for r in caplog.records if "not instrumented" in r.getMessage()]
-    assert len(warnings) == 1 and "found sglang 0.5.23" in warnings[0].getMessage()
+    assert len(warnings) == 1 and f"found sglang {version('sglang')}" in warnings[0].getMessage()
 
 
 def test_suppressed_instrumentation_reports_nothing_and_sglang_runs_unchanged(
@@ -336,8 +335,8 @@ def test_a_failing_wrapper_logs_once_and_sglang_runs_unchanged(
     sglang = delta(sglang_values(), before)
     assert sglang["backup_kv"] == len(SEQ_A) + len(SEQ_B)  # SGLang still counted everything
     assert sglang["load_back_kv"] == len(SEQ_A)
-    failures = [r for r in caplog.records if "hook failed" in r.getMessage()]
-    hooks = [r.args[0] for r in failures]
+    failures = [r for r in caplog.records if "runs unchanged" in r.getMessage()]
+    hooks = [r.args[1] for r in failures]
     assert len(hooks) == len(set(hooks)) >= 2  # each failing hook said so exactly once
 
 
@@ -405,10 +404,12 @@ def test_every_pool_name_of_this_sglang_is_counted_under_its_own_name(cpu_sglang
     from otel_hicache.integrations.sglang.semconv import SGLANG_POOLS
     from otel_hicache.records import TransferRecord
 
-    assert {p.value for p in PoolName} == set(SGLANG_POOLS) | sc.POOLS
+    assert {p.value for p in PoolName} <= set(SGLANG_POOLS) | sc.POOLS  # every release's names are declared
     instrumentor = SGLangHiCacheInstrumentor()
     instrumentor.instrument(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
     try:
+        assert instrumentor.telemetry is None  # built at the process's first HiCache event
+        build_hicache("write_through")
         telemetry = instrumentor.telemetry
         assert telemetry is not None and telemetry is not otel.telemetry
         tokens = {p.value: 1 for p in PoolName}

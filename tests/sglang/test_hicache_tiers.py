@@ -89,8 +89,9 @@ def test_storage_backup_and_prefetch_match_sglang_counters_and_the_bytes_on_disk
 
     (backup,) = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.STORAGE_BACKUP])
     (prefetch,) = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.STORAGE_PREFETCH])
-    assert backup.attributes[sc.ATTR_TIMING_SOURCE] == "host_clock"  # the storage thread's own wall clock
+    assert backup.attributes is not None and backup.attributes[sc.ATTR_TIMING_SOURCE] == "host_clock"  # its own clock
     for span in (backup, prefetch):
+        assert span.attributes is not None and span.start_time is not None and span.end_time is not None
         assert span.attributes[sc.ATTR_TOKENS] == len(seq)
         assert span.attributes[sc.ATTR_BYTES] == on_disk
         assert span.start_time <= span.end_time
@@ -244,3 +245,36 @@ def test_swa_hybrid_backup_and_load_back_count_the_swa_pool_like_sglang(instrume
     ours = {(op, pool): tokens.get((op, pool), 0) for op, pool in sglang if pool != "bytes"}
     ours |= {(op, "bytes"): size.get((op, None, "none"), 0) for op in ("backup", "load_back")}  # untimed on CPU
     assert ours == sglang
+
+
+def test_a_request_held_for_its_storage_prefetch_records_that_wait_at_its_admission(
+    instrumented: Sdk, file_storage: FileStorage, prometheus_collector: Any
+) -> None:
+    """hicache.request.kv_wait{tier=storage}: from the prefetch's start until SGLang's stop policy lets the request
+    go (``check_prefetch_progress`` says yes), recorded when the request is admitted; a request with nothing to
+    prefetch records nothing."""
+    import time
+
+    in_l3, new = list(range(500, 524)), [7] * 5
+    l3_metrics = storage_metrics(prometheus_collector)
+    producer, producer_allocator, _ = file_storage.build("write_through", l3_metrics, kv_size=128, page_size=PAGE)
+    insert(producer, producer_allocator, in_l3)
+    backed_up_to_l3(producer)
+
+    cache, allocator, _ = file_storage.build("write_through", l3_metrics, kv_size=128, page_size=PAGE)
+    from_l3, fresh = make_request(in_l3 + new, "storage"), make_request([9] * 8, "fresh")
+    started = time.monotonic()
+    for req in (from_l3, fresh):
+        _prefetch_on_arrival(cache, req)
+    pump(cache, lambda: all(cache.check_prefetch_progress(r.cache_request_handle) for r in (from_l3, fresh)), "L3")
+    held_at_most = time.monotonic() - started
+    assert instrumented.points(sc.METRIC_REQUEST_KV_WAIT) == {}  # released, not admitted yet
+    _admit(cache, allocator, [from_l3, fresh])
+    assert from_l3.storage_hit_length == len(in_l3)
+
+    points = instrumented.points(sc.METRIC_REQUEST_KV_WAIT)
+    assert set(points) == {frozenset({(sc.ATTR_TIER, "storage")})}
+    (storage,) = points.values()
+    assert storage.count == 1 and 0 < storage.sum <= held_at_most
+    cache.ready_to_load_host_cache()  # let the admitted load-backs run, as the batch would
+    pump(cache, lambda: not cache.cache_controller.ack_load_queue, "load-back")

@@ -13,8 +13,9 @@ import pytest
 
 pytest.importorskip("sglang")
 
+from otel_hicache.integrations._base import disabled
 from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
-from otel_hicache.integrations.sglang.plugin import ENTRY_POINT, disabled, load
+from otel_hicache.integrations.sglang.plugin import ENTRY_POINT, load
 
 pytestmark = pytest.mark.sglang
 
@@ -31,8 +32,8 @@ def test_the_standard_variable_disables_the_plugin(monkeypatch: pytest.MonkeyPat
 
 
 def test_other_names_leave_it_enabled() -> None:
-    assert not disabled({"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "sglang, sglang_hicache_x"})
-    assert not disabled({})
+    assert not disabled(ENTRY_POINT, {"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "sglang, sglang_hicache_x"})
+    assert not disabled(ENTRY_POINT, {})
     assert ENTRY_POINT == "sglang_hicache"  # the name of both entry points (pyproject.toml)
 
 

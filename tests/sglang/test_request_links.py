@@ -68,7 +68,7 @@ def test_a_load_back_links_to_the_request_it_served_and_the_request_span_carries
 
     (load_back,) = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.LOAD_BACK])
     assert [link.context for link in load_back.links] == [request_span.get_span_context()]
-    assert load_back.attributes[sc.ATTR_TOKENS] == len(on_host)
+    assert load_back.attributes is not None and load_back.attributes[sc.ATTR_TOKENS] == len(on_host)
     split = {k: v for k, v in request_span.attributes.items() if k.startswith(sc.ATTR_PREFIX_TOKENS)}
     assert split == {
         f"{sc.ATTR_PREFIX_TOKENS}.input": len(new),
@@ -105,5 +105,48 @@ def test_a_backup_links_to_the_request_whose_tokens_it_wrote(
     instrumented.telemetry.flush()
 
     (backup,) = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.BACKUP])
-    assert backup.attributes[sc.ATTR_TOKENS] == len(tokens)
+    assert backup.attributes is not None and backup.attributes[sc.ATTR_TOKENS] == len(tokens)
     assert [link.context for link in backup.links] == [request_span.get_span_context()]
+
+
+def test_a_request_waiting_for_its_load_back_records_that_wait_once_and_on_its_span(
+    instrumented: Sdk, sglang_request_tracing: OtlpReceiver
+) -> None:
+    """hicache.request.kv_wait{tier=host}: from the admission that starts a request's load back until that load back
+    is seen complete; one point per request that waited, none for a request that waited for nothing."""
+    import time
+
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    cache, allocator, _ = build_hicache("write_through", kv_size=128)
+    first, second = list(range(100, 124)), list(range(200, 216))
+    for prefix in (first, second):
+        cache.insert(InsertParams(key=RadixKey(array("q", prefix)), value=allocator.alloc(len(prefix))))
+    cache.flush_pending_backups()
+    pump(cache, lambda: not cache.ongoing_write_through, "backup")
+    assert cache.evict(EvictParams(num_tokens=len(first) + len(second))).num_tokens_evicted == 40  # host only
+
+    traced, untraced, uncached = (make_request(first + [7] * 5, "traced"), make_request(second + [8] * 3, "untraced"),
+                                  make_request([9] * 6, "uncached"))  # fmt: skip
+    traced.time_stats.init_trace_ctx(traced.rid, None)
+    traced.time_stats.trace_ctx.trace_req_start()
+    request_span: Any = traced.time_stats.trace_ctx.thread_context.thread_span
+    adder = PrefillAdder(cache.page_size, cache, allocator, None, 1.0, 4096, None)
+    started = time.monotonic()
+    for req in (traced, untraced, uncached):
+        req.init_next_round_input(cache)
+        assert adder.add_one_req(req, False, None) is AddReqResult.CONTINUE  # load backs start here
+    cache.ready_to_load_host_cache()
+    pump(cache, lambda: not cache.cache_controller.ack_load_queue, "load back")
+    waited_at_most = time.monotonic() - started
+    instrumented.telemetry.flush()
+    traced.time_stats.trace_ctx.trace_req_finish()
+
+    points = instrumented.points(sc.METRIC_REQUEST_KV_WAIT)
+    assert set(points) == {frozenset({(sc.ATTR_TIER, "host")})}  # tier values from the closed set only
+    (host,) = points.values()
+    assert host.count == 2  # the traced and the untraced request; the uncached one waited for nothing
+    assert 0 < host.min <= host.max <= waited_at_most
+    assert request_span.attributes[f"{sc.ATTR_KV_WAIT}.host"] in (host.min, host.max)

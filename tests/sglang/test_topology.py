@@ -120,7 +120,7 @@ def test_two_tp_schedulers_report_once_with_their_ranks_and_a_sigkilled_one_lose
     rank0, rank1 = processes[pids[0]], processes[pids[1]]
     # Token flows are logical: reported by rank 0 only, once (one backup and one load back of TOKENS tokens).
     assert rank0.points(sc.METRIC_TRANSFER_TOKENS) == {(BACKUP, "kv"): TOKENS, (LOAD_BACK, "kv"): TOKENS}
-    assert rank0.points(sc.METRIC_EVICTION_TOKENS) == {("device",): TOKENS}
+    assert rank0.points(sc.METRIC_EVICTION_TOKENS) == {("False", "device"): TOKENS}  # inserted once: not reused
     assert rank0.points(sc.METRIC_POOL_LIMIT)  # the host pool's size, in tokens
     for name in (sc.METRIC_TRANSFER_TOKENS, sc.METRIC_EVICTION_TOKENS, sc.METRIC_POOL_USAGE, sc.METRIC_POOL_LIMIT):
         assert name not in rank1.metrics, name

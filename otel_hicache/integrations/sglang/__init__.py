@@ -9,7 +9,8 @@ process::
 or the same instrumentor through the ``opentelemetry_instrumentor`` group (``opentelemetry-instrument python -m
 sglang.launch_server ...``). Either way each process builds its telemetry on its first HiCache event, from the
 ``OTEL_*`` environment, with the ranks SGLang published for it on the Resource and the instruments counted in tokens
-reported by one rank per TP group only (:mod:`.plugin`); a process without HiCache builds and exports nothing.
+reported by one rank per attention-TP x attention-CP x PP group only (:mod:`.instrumentor`); a process without
+HiCache builds and exports nothing.
 ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=sglang_hicache`` turns both routes off. In code, with your providers::
 
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
@@ -31,15 +32,28 @@ under write-back)
 ``UnifiedRadixCache._record_dropped_      ``hicache.dropped.tokens{reason, pool="kv"}``
 tokens``
 ``UnifiedRadixCache._evict``              ``hicache.eviction.tokens`` / ``.duration`` (tier ``device``; passes that
-                                          free nothing are not reported, as in SGLang)
+                                          free nothing are not reported, as in SGLang), with one entry per radix node
+``_evict_device_leaf``, ``_demote``       it evicted: ``hicache.eviction.reused`` (SGLang's ``hit_count`` above the
+                                          insert that made the node; unknown under write-back, where SGLang counts no
+                                          hits) and ``hicache.eviction.age`` (since its ``last_access_time``)
+``UnifiedRadixCache.evict_host``,         the same for tier ``host`` (SGLang 0.5.23 has no host-eviction metric):
+``UnifiedTreeCore._evict_host_leaf``      reused = loaded back since its backup; a host copy never read back is
+                                          ``hicache.wasted.size{operation="backup"}`` (its tokens x the host pool's
+                                          bytes per token)
 ``PrefillAdder._update_prefill_budget``,  ``hicache.prefill.tokens{mode}``: input (retracted re-counts excluded) and
 ``_account_prefill_cache_admission``      device / host / storage hits, at admission
 ``HiCacheController._page_backup_or_log`` ``hicache.storage_backup`` (L2 -> L3, storage thread, host-clock timed)
 ``UnifiedRadixCache._handle_prefetch_     ``hicache.storage_prefetch`` (L3 -> L2, from the prefetch's issue to its
 result``                                  result)
-``UnifiedRadixCache.load_back`` (with     with SGLang's request tracing on: the request's scheduler span, which the
-``req``), ``checkpoint_into_tree`` /      ``hicache.load_back`` / ``hicache.backup`` spans of the transfers they start
-``advance_unpublished_req``               link to; ``_account_prefill_cache_admission`` puts the prefix split on it
+``UnifiedRadixCache.load_back`` (with     ``hicache.request.kv_wait{tier="host"}``: from the admission that starts a
+``req``)                                  request's load back until that load back is seen complete (upper bound, at
+                                          scheduler-step resolution); with request tracing, also on its span
+``UnifiedRadixCache.check_prefetch_       ``hicache.request.kv_wait{tier="storage"}``: from the prefetch's start until
+progress``                                SGLang's stop policy lets the request go, recorded at its admission
+``load_back``, ``checkpoint_into_tree`` / with SGLang's request tracing on: the request's scheduler span, which the
+``advance_unpublished_req``               ``hicache.load_back`` / ``hicache.backup`` spans of the transfers they start
+                                          link to; ``_account_prefill_cache_admission`` puts the prefix split (and the
+                                          KV waits, ``hicache.kv_wait.<tier>``) on it
 ``UnifiedRadixCache.init_hicache``        ``hicache.pool.usage`` / ``.limit`` of the host KV pool, read at collection
 ``HiCacheController.reset``               forgets acks the reset discarded (also under suppression)
 ========================================  =============================================================================
@@ -62,6 +76,24 @@ differences: ``hicache.*`` values are counted even when SGLang runs without ``--
 SGLang discards after it arrived is still a completed ``storage_prefetch`` transfer here; L3 bytes are the KV pool's
 tokens times its bytes per token (0 where the host pool is a group that does not state a size).
 
+Eviction bookkeeping lives on SGLang's own objects: a load back marks the radix nodes whose host copies it reads
+(an attribute on the node), and the age of a node comes from its ``last_access_time``, a logical counter, through
+samples of that counter's value and the time (at submissions, admissions and eviction passes; bounded, see
+:data:`.hooks.CLOCK_SAMPLES`): a lower bound, at scheduler-step resolution. A node split after a load back read it
+leaves its new half unmarked. L3 backups are never counted as wasted: SGLang's file backend does not evict. The
+per-node detail needs SGLang's Python TreeCore (the suite's); with its Rust TreeCore the nodes stay inside Rust: the
+eviction series then count every token with ``hicache.eviction.reused`` unknown, no age and no waste.
+
+Never undercounting silently, on a release that changed: a drop reason this adapter does not know is counted as
+``other``, and hits under a prefill-adder counter it does not know (``log_*_hit_tokens``) as prefill mode ``other``,
+every time; an ack that leaves its queue any way a list allows (``pop``, ``clear``, ``del q[:n]``, slice assignment,
+``remove``, ``*=``) is reported, and a queue that is not a list is left alone with one warning. Where SGLang keeps its
+radix-cache collector in the same process (``--enable-metrics``), a self-check (:class:`.hooks.CountersCheck`,
+about once a second and at each flush) compares our backup and load-back tokens and bytes, evicted and dropped tokens
+with it; a difference that outlasts :data:`.hooks.CHECK_LAG_S` counts one ``otel_hicache.engine.mismatch`` per
+instrument, with one warning. (L3 and prefill series are not self-checked: see the known differences above; the
+prefill collector belongs to the scheduler, which no wrapper sees.)
+
 Cost on the scheduler thread: the completion checks are not wrapped (a check that consumes nothing costs nothing);
 each consumed ack costs one entry put on its queue's :class:`~otel_hicache.deferred.DeferredQueue`
 (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`), and the record is built and counted on the
@@ -71,8 +103,11 @@ own prometheus metrics, for both ways ``writing_check`` is called (see the READM
 Patching and failure rules (shared by every engine adapter, :mod:`otel_hicache.integrations._base`): ``instrument()``
 imports nothing of SGLang (nor torch); each SGLang module is patched when it is imported (at once if it already is). A
 missing or unsupported SGLang gives one warning and no patching (the version check runs even under
-``skip_dep_check``, which ``opentelemetry-instrument`` passes: the wrappers rely on 0.5.23's shapes); a missing method
-skips only its signal (one warning); a wrapper whose own code fails logs once and SGLang runs unchanged; inside
+``skip_dep_check``, which ``opentelemetry-instrument`` passes: the wrappers rely on the supported releases' shapes); a
+module this SGLang lacks, and a method that is missing, is not a function or has other parameters than its wrapper
+reads, skips only its signal (one warning naming it); a wrapper whose own code fails logs once, and SGLang's call
+runs exactly once with its own result or exception; every warning comes once per process family (SGLang's launcher
+and its scheduler processes), not once per process; inside
 ``opentelemetry.instrumentation.utils.suppress_instrumentation()`` every wrapper passes straight through, and an ack
 submitted there is not reported when it is consumed.
 ``uninstrument()`` restores every patched attribute to the original object and disarms patches for modules not imported

@@ -1,42 +1,53 @@
-"""``SGLangHiCacheInstrumentor``: the wrappers of :mod:`.hooks` on SGLang's HiCache classes, through :mod:`.._base`."""
+"""``SGLangHiCacheInstrumentor``: the wrappers of :mod:`.hooks` on SGLang's HiCache classes, through :mod:`.._base`,
+and SGLang's rank rule.
+
+TP semantics (:func:`sglang_ranks`): one rank of each attention-TP x attention-CP x pipeline group of a DP replica
+(``attn_tp_rank == 0``, ``attn_cp_rank == 0``, ``pp_rank == 0``) reports the instruments counted in tokens (transfer,
+dropped and evicted tokens, prefill split, pool usage and limit); the others report bytes, durations and spans, which
+are per rank. A ``sum`` over processes is then the logical token flow and the total bytes moved. SGLang 0.5.23 logs its
+scheduler token stats (``prefill_effective_tokens``, its host-pool gauges) on the same ranks
+(``attn_tp_rank == 0 and attn_cp_rank == 0``) but labels its radix-cache series per ``tp_rank``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, Final
 
-from otel_hicache.integrations._base import EngineInstrumentor, Target, Wrapper
+from otel_hicache import semconv as sc
+from otel_hicache.integrations._base import EngineInstrumentor, ProcessSink, Ranks, Target, Wrapper
 from otel_hicache.integrations.sglang.hooks import HiCacheHooks
-from otel_hicache.integrations.sglang.plugin import ranked_telemetry
 from otel_hicache.integrations.sglang.semconv import SGLANG_POOLS
 from otel_hicache.integrations.sglang.stat_loggers import OTelStatLoggers
 from otel_hicache.package import _instruments_sglang
-from otel_hicache.sdk import TelemetrySetup
-from otel_hicache.telemetry import HiCacheTelemetry
 
 _CONTROLLER = "sglang.srt.managers.cache_controller"
 _TREE = "sglang.srt.mem_cache.unified_radix_cache"
 _POLICY = "sglang.srt.managers.schedule_policy"
+_TREE_CORE = "sglang.srt.mem_cache.unified_cache.unified_tree_core"
 
-#: Every HiCache patch, in one table: (target, name of the :class:`HiCacheHooks` method that wraps it).
+#: Every HiCache patch, in one table: (target with the parameters its wrapper reads, the :class:`HiCacheHooks`
+#: method that wraps it).
 _TARGETS: Final[tuple[tuple[Target, str], ...]] = (
     (Target(_CONTROLLER, "HiCacheController", "start_writing"), "start_writing"),
     (Target(_CONTROLLER, "HiCacheController", "start_loading"), "start_loading"),
     (Target(_CONTROLLER, "HiCacheController", "reset"), "reset"),
-    (Target(_CONTROLLER, "HiCacheController", "_page_backup_or_log"), "storage_backup"),
-    (Target(_TREE, "UnifiedRadixCache", "load_back"), "load_back"),
-    (Target(_TREE, "UnifiedRadixCache", "checkpoint_into_tree"), "checkpoint"),
-    (Target(_TREE, "UnifiedRadixCache", "advance_unpublished_req"), "checkpoint"),
+    (Target(_CONTROLLER, "HiCacheController", "_page_backup_or_log", ("operation",)), "storage_backup"),
+    (Target(_TREE, "UnifiedRadixCache", "load_back", ("node_id", "mem_quota", "req")), "load_back"),
+    (Target(_TREE, "UnifiedRadixCache", "checkpoint_into_tree", ("req",)), "checkpoint"),
+    (Target(_TREE, "UnifiedRadixCache", "advance_unpublished_req", ("req",)), "checkpoint"),
     (Target(_TREE, "UnifiedRadixCache", "_evict"), "evict"),
-    (Target(_TREE, "UnifiedRadixCache", "_record_dropped_tokens"), "record_dropped_tokens"),
-    (Target(_TREE, "UnifiedRadixCache", "_handle_prefetch_result"), "storage_prefetch"),
+    (Target(_TREE, "UnifiedRadixCache", "_evict_device_leaf", ("node_id", "tracker")), "device_entry"),
+    (Target(_TREE, "UnifiedRadixCache", "_demote", ("node_id", "tracker")), "device_entry"),
+    (Target(_TREE, "UnifiedRadixCache", "evict_host", ("num_tokens",)), "evict_host"),
+    (Target(_TREE_CORE, "UnifiedTreeCore", "_evict_host_leaf", ("node", "tracker")), "host_entry"),
+    (Target(_TREE, "UnifiedRadixCache", "_record_dropped_tokens", ("dropped_tokens", "reason")), "dropped_tokens"),
+    (Target(_TREE, "UnifiedRadixCache", "_handle_prefetch_result", ("operation",)), "storage_prefetch"),
+    (Target(_TREE, "UnifiedRadixCache", "check_prefetch_progress", ("request",)), "prefetch_progress"),
     (Target(_TREE, "UnifiedRadixCache", "init_hicache"), "init_hicache"),
-    (Target(_POLICY, "PrefillAdder", "_update_prefill_budget"), "prefill_admission"),
-    (Target(_POLICY, "PrefillAdder", "_account_prefill_cache_admission"), "prefill_admission"),
+    (Target(_POLICY, "PrefillAdder", "_update_prefill_budget"), "prefill_budget"),
+    (Target(_POLICY, "PrefillAdder", "_account_prefill_cache_admission", ("req",)), "prefill_admission"),
 )
-
-#: Stands for "no sink yet" between ``_sink`` and ``_wrappers`` (the base class passes a sink along).
-_LAZY: Any = object()
 
 #: Modules that bound ``resolve_collector_class`` by name for the stat-logger roles we serve.
 _STAT_LOGGER_MODULES: Final[tuple[str, ...]] = (
@@ -44,6 +55,9 @@ _STAT_LOGGER_MODULES: Final[tuple[str, ...]] = (
     "sglang.srt.mem_cache.base_prefix_cache",  # radix_cache role
     "sglang.srt.mem_cache.unified_cache.storage_attachment",  # storage role
 )
+#: SGLang's parallel-context field for each rank we read.
+_RANK_FIELDS: Final = {"tp": "tp_rank", "pp": "pp_rank", "dp": "dp_rank", "attn_tp": "attn_tp_rank",
+                       "attn_cp": "attn_cp_rank"}  # fmt: skip
 
 
 class SGLangHiCacheInstrumentor(EngineInstrumentor):
@@ -51,54 +65,77 @@ class SGLangHiCacheInstrumentor(EngineInstrumentor):
 
     ``instrument(**kwargs)`` accepts:
 
-    * ``tracer_provider``, ``meter_provider``: where the telemetry goes;
+    * ``tracer_provider``, ``meter_provider``: where the telemetry goes (built per process at its first HiCache event,
+      with SGLang's rank rule);
     * ``telemetry``: an existing :class:`~otel_hicache.telemetry.HiCacheTelemetry` to report through instead;
     * none of these (the plugin and ``opentelemetry-instrument`` routes): each process builds its telemetry on its
-      first HiCache event, from the ``OTEL_*`` environment, with its SGLang ranks
-      (:func:`.plugin.ranked_telemetry`);
+      first HiCache event, from the ``OTEL_*`` environment, with its SGLang ranks (:func:`sglang_ranks`);
     * ``stat_loggers`` (default ``True``): also route SGLang's own ``sglang:*`` series over OTel (see
       :mod:`.stat_loggers`) for the ``scheduler``, ``storage`` and ``radix_cache`` roles the user left unset.
     """
 
     _engine = "SGLang HiCache"
+    _engine_id = sc.Engine.SGLANG
     _extra_pools = SGLANG_POOLS
-    _setup: TelemetrySetup | None = None  # this process's telemetry, once built (plugin / opentelemetry-instrument)
+    _from_environment = True
+    # SGLang's stat loggers and its --enable-trace use the global providers: ours where none is installed.
+    _install_globals = True
     _hooks: HiCacheHooks | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments_sglang
-
-    @property
-    def telemetry(self) -> HiCacheTelemetry | None:
-        """The sink the wrappers report through (``None`` until built: see ``instrument``)."""
-        return self._telemetry if self._hooks is None else self._hooks.telemetry
-
-    def _sink(self, kwargs: dict[str, Any]) -> HiCacheTelemetry:
-        if any(kwargs.get(k) is not None for k in ("telemetry", "tracer_provider", "meter_provider")):
-            return super()._sink(kwargs)
-        return _LAZY  # built per process by ranked_telemetry() on its first HiCache event
-
-    def _ranked_telemetry(self) -> HiCacheTelemetry:
-        telemetry, self._setup = ranked_telemetry()
-        self._telemetry, self._owns_telemetry = telemetry, False  # the setup owns it (shut down at exit)
-        return telemetry
 
     def _uninstrument(self, **kwargs: Any) -> None:
         if self._hooks is not None:
             self._hooks.detach()  # adopted ack queues stay lists for SGLang and stop reporting
         super()._uninstrument(**kwargs)
 
-    def _wrappers(self, telemetry: HiCacheTelemetry, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
-        if telemetry is _LAZY:  # once built, a process's telemetry is kept across uninstrument/instrument
-            built = None if self._setup is None else self._setup.telemetry
-            hooks = self._hooks = HiCacheHooks(built, None if built is not None else self._ranked_telemetry)
-        else:
-            hooks = self._hooks = HiCacheHooks(telemetry)
+    def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
+        hooks = self._hooks = HiCacheHooks(sink, sglang_ranks)
         patches: list[tuple[Target, Wrapper]] = [(target, getattr(hooks, hook)) for target, hook in _TARGETS]
         if options.get("stat_loggers", True):
-            loggers = OTelStatLoggers(options.get("meter_provider"))
+            resolve = OTelStatLoggers(options.get("meter_provider")).resolve_collector_class
             patches += [
-                (Target(module, "", "resolve_collector_class"), loggers.resolve_collector_class)
+                (Target(module, "", "resolve_collector_class", ("role", "default_cls")), resolve)
                 for module in _STAT_LOGGER_MODULES
             ]
         return patches
+
+
+def parallel_ranks() -> dict[str, int]:
+    """This process's ranks as SGLang published them (``get_parallel()``); a rank not published is left out."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+    except Exception:
+        return {}
+    ranks = {}
+    for name, field in _RANK_FIELDS.items():
+        try:
+            value = getattr(parallel, field)
+        except Exception:  # not published in this process (SGLang raises on an unwritten rank)
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            ranks[name] = value
+    return ranks
+
+
+def reports_tokens(ranks: Mapping[str, int]) -> bool:
+    """Whether this rank reports the token-counted instruments: attention-TP rank 0 (TP rank where attention-TP is
+    unknown), attention-CP rank 0 and PP rank 0; an unknown rank counts as 0 (a single-process server)."""
+    return ranks.get("attn_tp", ranks.get("tp", 0)) == 0 and ranks.get("attn_cp", 0) == 0 and ranks.get("pp", 0) == 0
+
+
+def sglang_ranks() -> Ranks:
+    """This process's :class:`~.._base.Ranks`: tp / pp / dp on the Resource, the attention-TP rank too, and the rank
+    rule of :func:`reports_tokens`."""
+    ranks = parallel_ranks()
+    token_metrics = reports_tokens(ranks)
+    attn_tp = ranks.pop("attn_tp", None)
+    ranks.pop("attn_cp", None)
+    return Ranks(
+        ranks=ranks,
+        token_metrics=token_metrics,
+        resource={} if attn_tp is None else {sc.RESOURCE_ATTN_TP_RANK: attn_tp},
+    )

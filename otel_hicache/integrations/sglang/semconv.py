@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from typing import Final
 
+#: The name of both entry points (``opentelemetry_instrumentor`` and ``sglang.srt.plugins``): listing it in
+#: ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` turns both routes off.
+ENTRY_POINT: Final = "sglang_hicache"
+
 #: SGLang 0.5.23's ``PoolName`` values that are not core pool kinds (:data:`otel_hicache.semconv.POOLS`): the
 #: instrumentor passes them to ``HiCacheTelemetry(extra_pools=...)`` so they are counted under their own name.
 SGLANG_POOLS: Final[tuple[str, ...]] = (
