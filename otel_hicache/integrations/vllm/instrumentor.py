@@ -28,33 +28,41 @@ _METRICS = f"{_OFFLOADING}.metrics"
 _CPU_SPEC = "vllm.v1.kv_offload.cpu.spec"
 _CPU_MANAGER = "vllm.v1.kv_offload.cpu.manager"
 
+_CONNECTOR_WORKER = "OffloadingConnectorWorker"
 _SCHEDULER = "vllm.v1.core.sched.scheduler"
 _CONNECTOR_SCHEDULER = f"{_OFFLOADING}.scheduler"
 _OUTPUT_PROCESSOR = "vllm.v1.engine.output_processor"
 
-#: Every patch, in one table: (target, the group of wrappers, the name of its method that wraps the target).
+#: Every patch, in one table: (target with the leading parameters its wrapper reads, the group of wrappers, the name
+#: of its method that wraps the target).
 _TARGETS: Final[tuple[tuple[Target, str, str], ...]] = (
-    (Target(_WORKER, "OffloadingConnectorWorker", "prepare_store_kv"), "offload", "prepare_store_kv"),
-    (Target(_WORKER, "OffloadingConnectorWorker", "handle_preemptions"), "offload", "handle_preemptions"),
-    (Target(_WORKER, "OffloadingConnectorWorker", "start_kv_transfers"), "offload", "start_kv_transfers"),
-    (Target(_WORKER, "OffloadingConnectorWorker", "get_finished"), "offload", "get_finished"),
-    (Target(_WORKER, "OffloadingConnectorWorker", "build_connector_worker_meta"), "offload",
-     "build_connector_worker_meta"),
-    (Target(_COMMON, "DirectionalTransferStats", "record"), "offload", "transfer_stats_record"),
-    (Target(_COMMON, "OffloadingWorkerMetadata", "mark_completed"), "offload", "mark_completed"),
-    (Target(_METRICS, "OffloadingConnectorStats", "increase_counter"), "offload", "increase_counter"),
+    # the workers: transfers and the self-check
+    (Target(_WORKER, _CONNECTOR_WORKER, "prepare_store_kv", ("metadata",)), "offload", "prepare_store_kv"),
+    (Target(_WORKER, _CONNECTOR_WORKER, "handle_preemptions", ("kv_connector_metadata",)), "offload",
+     "handle_preemptions"),
+    (Target(_WORKER, _CONNECTOR_WORKER, "start_kv_transfers", ("metadata",)), "offload", "start_kv_transfers"),
+    (Target(_WORKER, _CONNECTOR_WORKER, "get_finished"), "offload", "get_finished"),
+    (Target(_WORKER, _CONNECTOR_WORKER, "build_connector_worker_meta"), "offload", "build_connector_worker_meta"),
+    (Target(_COMMON, "DirectionalTransferStats", "record", ("num_bytes", "time")), "offload", "transfer_stats_record"),
+    (Target(_COMMON, "OffloadingWorkerMetadata", "mark_completed", ("job_id",)), "offload", "mark_completed"),
+    # the scheduler: failures, the CPU tier, requests
+    (Target(_METRICS, "OffloadingConnectorStats", "increase_counter", ("counter_name", "counter_increase_value")),
+     "offload", "increase_counter"),
     (Target(_CPU_SPEC, "CPUOffloadingSpec", "get_manager"), "tier", "get_manager"),
     (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_store"), "tier", "prepare_store"),
-    (Target(_CPU_MANAGER, "CPUOffloadingManager", "_free_chunk"), "tier", "free_chunk"),
+    (Target(_CPU_MANAGER, "CPUOffloadingManager", "_free_chunk", ("chunk",)), "tier", "free_chunk"),
     (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_load"), "tier", "prepare_load"),
-    (Target(_SCHEDULER, "Scheduler", "add_request"), "requests", "add_request"),
-    (Target(_SCHEDULER, "Scheduler", "_update_waiting_for_remote_kv"), "requests", "update_waiting_for_remote_kv"),
-    (Target(_CONNECTOR_SCHEDULER, "OffloadingConnectorScheduler", "update_state_after_alloc"), "requests",
-     "update_state_after_alloc"),
+    (Target(_SCHEDULER, "Scheduler", "add_request", ("request",)), "requests", "add_request"),
+    (Target(_SCHEDULER, "Scheduler", "_update_waiting_for_remote_kv", ("request",)), "requests",
+     "update_waiting_for_remote_kv"),
+    (Target(_CONNECTOR_SCHEDULER, "OffloadingConnectorScheduler", "update_state_after_alloc",
+            ("request", "blocks", "num_external_tokens")), "requests", "update_state_after_alloc"),
     (Target(_CONNECTOR_SCHEDULER, "OffloadingConnectorScheduler", "build_connector_meta"), "requests",
      "build_connector_meta"),
-    (Target(_OUTPUT_PROCESSOR, "OutputProcessor", "do_tracing"), "requests", "do_tracing"),
-    (Target(_OUTPUT_PROCESSOR, "", "instrument_manual"), "requests", "instrument_manual"),
+    # the frontend: vLLM's request span
+    (Target(_OUTPUT_PROCESSOR, "OutputProcessor", "do_tracing", ("engine_core_output",)), "requests", "do_tracing"),
+    (Target(_OUTPUT_PROCESSOR, "", "instrument_manual", ("span_name", "start_time", "end_time", "attributes")),
+     "requests", "instrument_manual"),
 )  # fmt: skip
 
 
