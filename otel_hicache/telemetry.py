@@ -455,7 +455,8 @@ class HiCacheTelemetry:
 
     def add_pool_usage_source(self, source: PoolSource) -> None:
         """Register a callable read on a host thread about once a second (never on the hot path), and before each
-        flush, for pool occupancy. A source that raises or returns bad entries is skipped and counted."""
+        flush, for pool occupancy. A source that raises or returns bad entries is skipped and counted. It starts the
+        export like a first record: a process whose only signal is occupancy exports it."""
         self._pool_sources.append(source)
         self._want_fast()
 

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from otel_hicache import semconv as sc
+from otel_hicache.records import PoolUsage
 from otel_hicache.sdk import configure
 from otel_hicache.testing.otlp_receiver import OtlpReceiver
 from tests.core.support import alive, clean_env, closed_port, record, spans_by_pid, tokens_by_pid
@@ -140,7 +141,7 @@ HOST = textwrap.dedent(
     """
     import sys, time
     from otel_hicache import configure
-    from otel_hicache.records import TransferRecord
+    from otel_hicache.records import PoolUsage, TransferRecord
     setup = configure(endpoint=sys.argv[1], protocol=sys.argv[2])
     for _ in range(int(sys.argv[3])):
         setup.telemetry.record_transfer(TransferRecord("backup", {"kv": 3}, 192, 10, 20, 0.001, "host_clock"))
@@ -207,7 +208,7 @@ FLUSH_THEN_EXIT = textwrap.dedent(
     """
     import sys
     from otel_hicache import configure
-    from otel_hicache.records import TransferRecord
+    from otel_hicache.records import PoolUsage, TransferRecord
     setup = configure(endpoint=sys.argv[1], protocol=sys.argv[2])
     setup.telemetry.record_transfer(TransferRecord("backup", {"kv": 3}, 192, 10, 20, 0.001, "host_clock"))
     setup.force_flush(timeout_s=1)  # the exporter is now stuck exporting to a collector that never answers
@@ -226,3 +227,20 @@ def test_an_export_process_stuck_on_a_black_hole_still_ends_soon_after_its_host(
     while alive(exporter) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(exporter)
+
+
+def test_a_process_whose_only_signal_is_pool_occupancy_exports_it_while_it_runs() -> None:
+    """A vLLM engine core whose CPU tier never evicts records nothing but its occupancy: its export must not wait
+    for a first record (or the exit)."""
+    with OtlpReceiver() as rx:
+        setup = configure(endpoint=rx.grpc_endpoint, env={**os.environ, "OTEL_METRIC_EXPORT_INTERVAL": "200"})
+        try:
+            setup.telemetry.add_pool_usage_source(lambda: [PoolUsage(sc.Tier.HOST, "kv", used=96, limit=512)])
+
+            def limits() -> list[int]:
+                metric = rx.latest_metric(sc.METRIC_POOL_LIMIT)
+                return [] if metric is None else [p.as_int for p in metric.sum.data_points]
+
+            assert rx.wait_for(lambda: limits() == [512], timeout_s=30), limits()
+        finally:
+            setup.shutdown()

@@ -1,5 +1,6 @@
 """vLLM's names and entry points, checked where vLLM is not installed (the project's .venv): the porting table maps
-onto the core vocabulary, both entry points resolve, and the plugin leaves a process without vLLM alone."""
+onto the core vocabulary (transfers by operation, prompt tokens by prefill mode), both entry points resolve, and the
+plugin leaves a process without vLLM alone."""
 
 from __future__ import annotations
 
@@ -23,11 +24,16 @@ INSTRUMENT_SERIES = {
 }
 
 
-def test_every_vllm_series_maps_onto_a_core_instrument_and_operation() -> None:
+def test_every_vllm_series_maps_onto_a_core_instrument_and_operation_or_prefill_mode() -> None:
     operations = {op.value for op in sc.TransferOperation}
+    modes = {mode.value for mode in sc.PrefillMode}
     for vllm, ours in VLLM_SERIES:
-        assert vllm.startswith("vllm:kv_offload_"), vllm
         name, labels = re.fullmatch(r"([a-z_]+)\{(.*)\}", ours).groups()  # type: ignore[union-attr]
+        if vllm.startswith("vllm:prompt_tokens_"):  # vLLM's prompt tokens by source: our prefill split
+            mode = re.fullmatch(r'hicache_prefill_mode="(\w+)"', labels)
+            assert name == "hicache_prefill_tokens_total" and mode and mode.group(1) in modes, ours
+            continue
+        assert vllm.startswith("vllm:kv_offload_"), vllm
         assert name in INSTRUMENT_SERIES, ours
         operation = re.search(r'hicache_operation="(\w+)"', labels)
         assert operation and operation.group(1) in operations, ours

@@ -1,6 +1,7 @@
 """Fixtures for running vLLM 0.32's real KV offloading connector on a CPU (run in .venv-vllm, marker ``vllm``).
 
-The engine builder lives in :mod:`tests.vllm.support`; the SDK is :func:`otel_hicache.testing.sdk.make_sdk`, with
+The connector-level engine builder lives in :mod:`tests.vllm.support`, the real engine's pieces (tiny model, server,
+what the processes exported) in :mod:`tests.vllm.engine`; the SDK is :func:`otel_hicache.testing.sdk.make_sdk`, with
 the production Views.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +37,11 @@ def instrumented(otel: Sdk) -> Iterator[Sdk]:
     assert instrumentor.is_instrumented_by_opentelemetry
     yield otel
     instrumentor.uninstrument()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama and its tokenizer (:func:`tests.vllm.engine.build_model`), built once per session."""
+    from tests.vllm.engine import build_model
+
+    return build_model(tmp_path_factory.mktemp("tiny-llama"))

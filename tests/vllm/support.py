@@ -26,9 +26,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     TransferJob,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.utils.math_utils import round_up
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.utils.math_utils import cdiv, round_up
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
 from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
@@ -44,6 +52,10 @@ BLOCK_SIZE = 16  # tokens per GPU block
 NUM_GPU_BLOCKS = 64
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 ATTENTION = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16)
+#: A sliding-window layer of the same page size, for hybrid (full + sliding-window) KV layouts.
+SLIDING = SlidingWindowSpec(
+    block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=2 * BLOCK_SIZE
+)
 
 
 TINY_LLAMA = {
@@ -54,35 +66,46 @@ TINY_LLAMA = {
 
 
 class HostCopyWorker(OffloadingWorker):
-    """vLLM's ``OffloadingWorker`` interface over real host copies: one host buffer per registered KV tensor."""
+    """vLLM's ``OffloadingWorker`` interface over real host copies: one host buffer per registered KV tensor, each KV
+    cache group's blocks copied between its own tensors (``group_data_refs``) and their CPU chunks."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int) -> None:
         self._device = [t.tensor for t in kv_caches.tensors]
         self._host = [torch.zeros((num_chunks * blocks_per_chunk, t.shape[1]), dtype=torch.int8) for t in self._device]
+        self._groups = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
         self._blocks_per_chunk = blocks_per_chunk
         self._finished: deque[TransferResult] = deque()
 
-    def _copy(self, job_id: int, src: list[torch.Tensor], src_ids: Any, dst: list[torch.Tensor], dst_ids: Any) -> bool:
+    def _copy(self, job_id: int, gpu_spec: GPULoadStoreSpec, chunk_ids: Any, to_host: bool) -> bool:
+        """Copy each group's GPU blocks to or from the CPU chunks that follow on from the previous group's."""
         start = time.perf_counter()
-        moved = 0
-        src_index, dst_index = torch.as_tensor(src_ids, dtype=torch.long), torch.as_tensor(dst_ids, dtype=torch.long)
-        for s, d in zip(src, dst, strict=True):
-            rows = s.index_select(0, src_index)
-            d.index_copy_(0, dst_index, rows)
-            moved += rows.numel() * rows.element_size()
+        moved, block, chunks, bpc = 0, 0, list(chunk_ids), self._blocks_per_chunk
+        for tensors, size, first in zip(self._groups, gpu_spec.group_sizes, gpu_spec.block_indices, strict=True):
+            skip = first % bpc  # a first GPU block in the middle of its CPU chunk
+            group_chunks, chunks = chunks[: cdiv(size + skip, bpc)], chunks[cdiv(size + skip, bpc) :]
+            rows = [c * bpc + i for c in group_chunks for i in range(bpc)][skip : skip + size]
+            gpu_index = torch.as_tensor(gpu_spec.block_ids[block : block + size], dtype=torch.long)
+            host_index = torch.as_tensor(rows, dtype=torch.long)
+            block += size
+            for t in tensors:
+                src, src_index, dst, dst_index = (
+                    (self._device[t], gpu_index, self._host[t], host_index)
+                    if to_host
+                    else (self._host[t], host_index, self._device[t], gpu_index)
+                )
+                copied = src.index_select(0, src_index)
+                dst.index_copy_(0, dst_index, copied)
+                moved += copied.numel() * copied.element_size()
         self._finished.append(TransferResult(job_id, True, moved, time.perf_counter() - start))
         return True
 
-    def _host_rows(self, chunk_ids: Any, count: int) -> list[int]:
-        return [c * self._blocks_per_chunk + i for c in chunk_ids for i in range(self._blocks_per_chunk)][:count]
-
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        blocks = src_spec.block_ids
-        return self._copy(job_id, self._device, blocks, self._host, self._host_rows(dst_spec.block_ids, len(blocks)))
+        assert isinstance(dst_spec, BlockIDsLoadStoreSpec)  # vLLM's CPU spec: chunk ids
+        return self._copy(job_id, src_spec, dst_spec.block_ids, to_host=True)
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        blocks = dst_spec.block_ids
-        return self._copy(job_id, self._host, self._host_rows(src_spec.block_ids, len(blocks)), self._device, blocks)
+        assert isinstance(src_spec, BlockIDsLoadStoreSpec)
+        return self._copy(job_id, dst_spec, src_spec.block_ids, to_host=False)
 
     def get_finished(self) -> list[TransferResult]:
         done = list(self._finished)
@@ -111,10 +134,16 @@ def tiny_model() -> ModelConfig:
 
 
 def vllm_config(
-    cpu_chunks: int, blocks_per_chunk: int = 1, rank: int = 0, tp: int = 1
+    cpu_chunks: int,
+    blocks_per_chunk: int = 1,
+    rank: int = 0,
+    tp: int = 1,
+    groups: tuple[AttentionSpec, ...] = (ATTENTION,),
 ) -> tuple[VllmConfig, KVCacheConfig]:
     """A vLLM config with the OffloadingConnector (CPU tier of ``cpu_chunks`` chunks) and a two-layer KV cache, as
-    seen by worker ``rank`` of a ``tp``-way tensor-parallel engine."""
+    seen by worker ``rank`` of a ``tp``-way tensor-parallel engine. ``groups``: the KV cache groups in vLLM's order,
+    one spec each (one group: both layers; two: one layer each, e.g. ``(SLIDING, ATTENTION)`` for a hybrid model whose
+    first layer is sliding-window)."""
     page = ATTENTION.page_size_bytes
     extra = {
         "spec_name": "HostCopySpec",
@@ -124,6 +153,7 @@ def vllm_config(
         * round_up(page * len(LAYERS) * blocks_per_chunk, HostCopySpec.BLOCK_SIZE_ALIGNMENT),
         "block_size": BLOCK_SIZE * blocks_per_chunk,
     }
+    total = page * NUM_GPU_BLOCKS * len(LAYERS)
     config = VllmConfig(
         model_config=tiny_model(),
         kv_transfer_config=KVTransferConfig(
@@ -135,13 +165,17 @@ def vllm_config(
     config.parallel_config.rank = rank
     kv_cache_config = KVCacheConfig(
         num_blocks=NUM_GPU_BLOCKS,
+        # vLLM 0.32: every KVCacheTensor describes placement within one backing allocation, so its size is the
+        # total (what vLLM's offloading config reads as the worker's KV bytes per block x blocks)
         kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * NUM_GPU_BLOCKS, layers=[name], layer_stride=page * NUM_GPU_BLOCKS, block_stride=page
-            )
+            KVCacheTensor(size=total, layers=[name], layer_stride=page * NUM_GPU_BLOCKS, block_stride=page)
             for name in LAYERS
         ],
-        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), ATTENTION)],
+        kv_cache_groups=(
+            [KVCacheGroupSpec(list(LAYERS), groups[0])]
+            if len(groups) == 1
+            else [KVCacheGroupSpec([layer], spec) for layer, spec in zip(LAYERS, groups, strict=True)]
+        ),
     )
     return config, kv_cache_config
 
@@ -163,16 +197,20 @@ class Engine:
         assert self.scheduler.connector_scheduler is not None
         return self.scheduler.connector_scheduler.manager
 
-    def store(self, request: str, gpu_blocks: list[int], flush: bool = False) -> list[Any] | None:
+    def store(
+        self, request: str, gpu_blocks: list[int], *more_groups: list[int], flush: bool = False
+    ) -> list[Any] | None:
         """Offload ``gpu_blocks`` of ``request`` to the CPU tier (vLLM's manager picks the chunks); ``None`` when
         the manager has no room. Returns the keys stored. ``flush``: the scheduler flushes the store at once (as
-        for a preempted request: ``jobs_to_flush``) instead of deferring it to the next step."""
-        keys = [make_offload_key(f"{request}:{b}".encode(), 0) for b in gpu_blocks]
+        for a preempted request: ``jobs_to_flush``) instead of deferring it to the next step. ``more_groups``: the
+        blocks of the second, third ... KV cache group (``gpu_blocks`` are the first group's)."""
+        per_group = [gpu_blocks, *more_groups]
+        keys = [make_offload_key(f"{request}:{b}".encode(), g) for g, blocks in enumerate(per_group) for b in blocks]
         context = ReqContext(req_id=request)
         out = self.manager.prepare_store(keys, context)
         if out is None:
             return None
-        gpu = GPULoadStoreSpec(gpu_blocks, group_sizes=[len(gpu_blocks)], block_indices=[0])
+        gpu = gpu_spec(per_group)
         job = self._job()
         if flush:
             self._step(store_jobs={job: TransferJob(request, gpu, out.store_spec)}, flush={job})
@@ -182,11 +220,28 @@ class Engine:
         self.manager.complete_store(keys, context)
         return keys
 
-    def load(self, request: str, keys: list[Any], gpu_blocks: list[int]) -> None:
+    def store_together(self, stores: dict[str, list[int]]) -> None:
+        """Offload several requests' blocks as jobs of one step, so they finish in one ``get_finished``."""
+        jobs = {}
+        for request, blocks in stores.items():
+            keys = [make_offload_key(f"{request}:{b}".encode(), 0) for b in blocks]
+            out = self.manager.prepare_store(keys, ReqContext(req_id=request))
+            assert out is not None, request
+            jobs[self._job()] = TransferJob(request, gpu_spec([blocks]), out.store_spec)
+        self._step(store_jobs=jobs)
+        self._step()
+
+    @property
+    def transfer_stats(self) -> Any:
+        """What vLLM's worker role counted so far and has not yet handed to the scheduler (``TransferStats``)."""
+        worker = self.worker.connector_worker
+        assert worker is not None
+        return worker._connector_worker_meta.transfer_stats
+
+    def load(self, request: str, keys: list[Any], gpu_blocks: list[int], *more_groups: list[int]) -> None:
         context = ReqContext(req_id=request)
         src = self.manager.prepare_load(keys, context)
-        gpu = GPULoadStoreSpec(gpu_blocks, group_sizes=[len(gpu_blocks)], block_indices=[0])
-        self._step(load_jobs={self._job(): TransferJob(request, src, gpu)})
+        self._step(load_jobs={self._job(): TransferJob(request, src, gpu_spec([gpu_blocks, *more_groups]))})
         self.manager.complete_load(keys, context)
 
     def _job(self) -> int:
@@ -224,8 +279,17 @@ class Engine:
         return {} if stats is None else stats.reduce()
 
 
-def engine(cpu_chunks: int = 8, rank: int = 0, tp: int = 1) -> Engine:
-    config, kv_cache_config = vllm_config(cpu_chunks, rank=rank, tp=tp)
+def gpu_spec(per_group: list[list[int]]) -> GPULoadStoreSpec:
+    """vLLM's GPU side of a transfer: each group's blocks in group order, each group starting at its block 0."""
+    return GPULoadStoreSpec(
+        [b for blocks in per_group for b in blocks],
+        group_sizes=[len(blocks) for blocks in per_group],
+        block_indices=[0] * len(per_group),
+    )
+
+
+def engine(cpu_chunks: int = 8, rank: int = 0, tp: int = 1, groups: tuple[AttentionSpec, ...] = (ATTENTION,)) -> Engine:
+    config, kv_cache_config = vllm_config(cpu_chunks, rank=rank, tp=tp, groups=groups)
     scheduler = OffloadingConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
     worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     generator = torch.Generator().manual_seed(0)

@@ -2,8 +2,10 @@
 serves the Prometheus endpoint a real Prometheus scrapes; the shipped dashboard panels and recording rules return
 data for it with the labels they rely on, as for SGLang and the demo (tests/pipeline/test_e2e_prometheus.py).
 
-vLLM reports transfers, failures, the CPU tier's occupancy and evictions, not prefill hits per tier nor drops: the
-panels and rules built only on those are listed here and return no data for a vLLM-only Prometheus.
+The process drives vLLM's connector without vLLM's scheduler and model (tests.vllm.offload_app), so it reports
+transfers, failures, the CPU tier's occupancy and evictions, but no prefill and no request's KV wait (the scheduler's
+admissions), serves none of vLLM's own series (its prefill timing), and vLLM reports no drops: the panels and rules
+built only on those are listed here and return no data for it.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from tests.pipeline.test_e2e_prometheus import (
 pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-#: What only SGLang-style producers feed: per-tier prefill hits and drops.
+#: What this process cannot feed: per-tier prefill hits and KV waits (no scheduler admits requests), vLLM's own
+#: prefill timing (no engine), and drops (vLLM has none).
 NOT_FROM_VLLM_PANELS = {
     "Prefix hit rate by tier",
     "Prefill tokens: computed vs hit per tier",
     "Dropped tokens by reason and pool",
     "Drop ratio",
+    "Request KV wait p50 / p99, by tier (exemplars link to the request)",
 }
 NOT_FROM_VLLM_RULES = {
     "hicache:prefill_hit_ratio:rate5m",
@@ -45,6 +49,8 @@ NOT_FROM_VLLM_RULES = {
     "hicache:drop_ratio:rate5m",
     "HiCacheDropRateHigh",
     "HiCachePrefixHitRateCollapse",
+    "hicache:engine_prefill_seconds_per_token:rate5m",
+    "HiCacheLoadSlowerThanRecompute",
 }
 
 
@@ -86,6 +92,7 @@ VLLM_READY = [
     'rate(hicache_transfer_duration_seconds_sum{hicache_operation="load_back"}[1m]) > 0',
     'rate(hicache_eviction_tokens_total{hicache_tier="host"}[1m]) > 0',
     "otel_sdk:span_drop_ratio:rate5m >= 0",
+    "hicache:load_seconds_per_token:rate5m > 0",
 ]
 
 

@@ -9,6 +9,9 @@ through the scheduler role's ``update_connector_output``.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 
 from otel_hicache.testing.sdk import Sdk
@@ -113,10 +116,39 @@ def test_uninstrument_restores_vllms_classes(instrumented: Sdk) -> None:
     VLLMOffloadInstrumentor().instrument(telemetry=instrumented.telemetry)  # the fixture uninstruments
 
 
+def host_evictions(otel: Sdk) -> dict[bool | None, int]:
+    """Evicted tokens of the CPU tier by ``hicache.eviction.reused`` (None: unknown)."""
+    return {reused: n for (tier, reused), n in otel.counters()["hicache.eviction.tokens"].items() if tier == "host"}
+
+
 def test_chunks_vllms_manager_evicts_are_host_tier_evictions_in_tokens(instrumented: Sdk) -> None:
     engine = support.engine(cpu_chunks=8)
     support.run_workload(engine)  # the third store (5 chunks) finds 4 free: vLLM's LRU policy evicts one chunk
-    assert instrumented.counters()["hicache.eviction.tokens"][("host", None)] == 1 * support.BLOCK_SIZE
+    # the first request's, which no load read
+    assert host_evictions(instrumented) == {False: 1 * support.BLOCK_SIZE, True: 0, None: 0}
+
+
+def test_each_evicted_chunk_says_how_long_it_sat_idle_whether_a_load_read_it_and_what_it_wasted(
+    instrumented: Sdk,
+) -> None:
+    """A tier of four chunks: a and b fill it, a is loaded back, then c and d each evict two chunks in vLLM's LRU
+    order (insertion: this harness ends no request, which would refresh it): a's, read, and b's, never read."""
+    engine = support.engine(cpu_chunks=4)
+    a = engine.store("a", [0, 1])
+    assert a is not None and engine.store("b", [2, 3])
+    read = time.monotonic()
+    engine.load("a", a, [10, 11])
+    assert engine.store("c", [4, 5])
+    assert engine.store("d", [6, 7])
+    since_read = time.monotonic() - read
+
+    two_chunks = 2 * support.BLOCK_SIZE  # tokens: a chunk holds one block
+    assert host_evictions(instrumented) == {True: two_chunks, False: two_chunks, None: 0}
+    stored = engine.vllm_stats()["vllm:kv_offload_store_bytes"]
+    assert instrumented.counters()["hicache.wasted.size"][("backup",)] == stored // 4  # b's two of eight chunks
+    (ages,) = instrumented.points("hicache.eviction.age").values()
+    assert ages.count == 4
+    assert 0 < ages.sum <= 2 * since_read + 2 * (time.monotonic() - read)
 
 
 def test_a_store_flushed_at_preemption_is_one_transfer_as_vllm_counts_it(instrumented: Sdk) -> None:
@@ -163,3 +195,31 @@ def test_instrumented_with_providers_one_tensor_parallel_rank_reports_tokens(ran
         instrumentor.uninstrument()
         instrumentor.telemetry.shutdown()  # type: ignore[union-attr]
         meter_provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    "groups", [(support.ATTENTION, support.SLIDING), (support.SLIDING, support.ATTENTION)], ids=["full", "sliding"]
+)
+def test_a_hybrid_models_tokens_count_every_kv_group_in_its_pool_whatever_vllms_group_order(
+    instrumented: Sdk, groups: tuple[Any, ...]
+) -> None:
+    """A prompt of five blocks: the full-attention group offloads all five, the sliding-window group the two in its
+    window. vLLM orders the groups by each layer type's first appearance, so either may come first."""
+    engine = support.engine(groups=groups)
+    full, window = [0, 1, 2, 3, 4], [5, 6]
+    keys = engine.store("a", *([full, window] if groups[0] is support.ATTENTION else [window, full]))
+    assert keys is not None
+    back = [[20, 21, 22, 23, 24], [30, 31]]
+    engine.load("a", keys, *(back if groups[0] is support.ATTENTION else back[::-1]))
+    vllm = engine.vllm_stats()
+
+    tokens = instrumented.counters()["hicache.transfer.tokens"]
+    for operation in ("backup", "load_back"):
+        assert tokens[(operation, "kv")] == 5 * support.BLOCK_SIZE
+        assert tokens[(operation, "swa")] == 2 * support.BLOCK_SIZE
+    for span in instrumented.spans("hicache.backup") + instrumented.spans("hicache.load_back"):
+        assert span.attributes["hicache.transfer.tokens.kv"] == 5 * support.BLOCK_SIZE
+        assert span.attributes["hicache.transfer.tokens.swa"] == 2 * support.BLOCK_SIZE
+        assert span.attributes["hicache.transfer.nodes"] == 7  # blocks of every group
+    assert size(instrumented, BACKUP) == vllm["vllm:kv_offload_store_bytes"] == 7 * support.ATTENTION.page_size_bytes
+    assert size(instrumented, LOAD_BACK) == vllm["vllm:kv_offload_load_bytes"]

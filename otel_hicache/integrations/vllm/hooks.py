@@ -1,30 +1,53 @@
-"""The wrapt wrappers around vLLM's KV offloading classes.
+"""The wrapt wrappers around vLLM's KV offloading connector: transfers and failures (the CPU tier's wrappers are in
+:mod:`.cpu_tier`, the requests' in :mod:`.per_request`; what they share, :class:`Hooks`, is here).
 
 Worker side (one process per GPU worker): a transfer is noted when vLLM's ``OffloadingConnectorWorker`` submits it
-(job id, direction, GPU blocks) and reported when its ``get_finished`` consumes the worker's ``TransferResult``: the
-wrapper sees each result exactly where vLLM counts it, as the ``DirectionalTransferStats.record(bytes, time)`` call
-(vLLM's own ``vllm:kv_offload_*`` bytes and time) followed by ``OffloadingWorkerMetadata.mark_completed(job_id)``.
-Scheduler side (the engine-core process): ``OffloadingConnectorStats.increase_counter`` of the allocation-failure
-counter, and the CPU tier's occupancy and evictions, from the ``CPUOffloadingManager`` that
-``CPUOffloadingSpec.get_manager`` built.
+(job id, direction, GPU blocks, the request span it serves) and reported when its ``get_finished`` consumes the
+worker's ``TransferResult``: the wrapper sees each result exactly where vLLM counts it, as the
+``DirectionalTransferStats.record(bytes, time)`` call (vLLM's own ``vllm:kv_offload_*`` bytes and time) followed by
+``OffloadingWorkerMetadata.mark_completed(job_id)``. Scheduler side (the engine-core process):
+``OffloadingConnectorStats.increase_counter`` of the allocation-failure counter.
 
-Failure rule: if a wrapper's own code fails it logs once per hook and vLLM's call goes on untouched; an exception
-raised by vLLM's method propagates exactly as without instrumentation. Nothing here synchronises a device: the
-duration is the one vLLM's worker measured.
+Tokens of a transfer are the logical token positions it covers, per pool by the kind of each KV cache group
+(:data:`~otel_hicache.integrations.vllm.semconv.GROUP_POOLS`: full attention ``kv``, sliding window ``swa``, ...): a
+group's tokens are its GPU blocks in the transfer x its tokens per block, and a pool's tokens are the largest of its
+groups' (vLLM splits the layers of one kind into several groups of equal size, which cover the same positions), never
+their sum. Bytes, time and the block count (``hicache.transfer.nodes``) cover every group.
+
+Self-check: vLLM's worker role keeps its own transfer counters in the same process (``DirectionalTransferStats`` of
+its ``OffloadingWorkerMetadata``, handed to the scheduler by ``build_connector_worker_meta`` every step). At each
+hand-over, what vLLM counted (bytes, timed transfers and their seconds, per direction) is set beside what we recorded,
+on the worker's own thread, so the pair is consistent; the telemetry's engine check reports an instrument whose totals
+drifted apart since the last report (``otel_hicache.engine.mismatch``, one warning): an adapter that undercounts after
+a vLLM change says so.
+
+Failure rule: our code never raises into vLLM. If a wrapper's own code fails it logs once per hook and vLLM's call
+goes on untouched; vLLM's method is called exactly once and an exception it raises propagates unchanged. What vLLM
+had counted before it raised part-way through ``get_finished`` is still reported. Nothing here synchronises a device:
+the duration is the one vLLM's worker measured.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import math
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE
-from otel_hicache.records import EvictionRecord, PoolUsage, TransferFailure, TransferRecord
-from otel_hicache.semconv import DEFAULT_POOL, Tier, TimingSource, TransferOperation
+from opentelemetry.trace import SpanContext, TraceFlags
+
+from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE, group_pool
+from otel_hicache.records import TransferFailure, TransferRecord
+from otel_hicache.semconv import (
+    DEFAULT_POOL,
+    METRIC_TRANSFER_DURATION,
+    METRIC_TRANSFER_SIZE,
+    TimingSource,
+    TransferOperation,
+)
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import now_ns
 
@@ -55,38 +78,130 @@ class FixedSink:
         return self.telemetry
 
 
+#: The attribute of vLLM's connector metadata that carries, per job, the context of the request span it serves
+#: (trace id, span id, flags) from the scheduler to the workers (see :mod:`.per_request`).
+LINKS = "_otel_hicache_links"
+
+
 class _Pending(NamedTuple):
     operation: TransferOperation
-    tokens: int  # first KV group's GPU blocks x its tokens per block
+    tokens_by_pool: dict[str, int]  # per pool: the largest of its groups' GPU blocks x tokens per block
     blocks: int  # GPU blocks over all KV groups
     submit_ns: int
+    links: tuple[SpanContext, ...]  # the request span the transfer serves
+
+
+class _Group(NamedTuple):
+    """One KV cache group the connector offloads, in the order of a GPU spec's ``group_sizes``."""
+
+    pool: str
+    tokens_per_block: int
+
+
+class _Measured(NamedTuple):
+    """The arguments of one ``DirectionalTransferStats.record`` call vLLM completed (read at report time)."""
+
+    args: tuple
+    kwargs: dict
+
+
+class _Completed(NamedTuple):
+    """The arguments of one ``OffloadingWorkerMetadata.mark_completed`` call vLLM completed."""
+
+    args: tuple
+    kwargs: dict
+
+
+#: Per direction (backup, load back): bytes, timed transfers, their seconds.
+_Totals = tuple[tuple[float, ...], ...]
+_DIRECTIONS = (TransferOperation.BACKUP, TransferOperation.LOAD_BACK)
 
 
 class _Connector:
-    """One ``OffloadingConnectorWorker``'s submitted transfers, by vLLM job id."""
+    """One ``OffloadingConnectorWorker``'s KV groups and submitted transfers (by vLLM job id), and the totals the
+    self-check compares."""
 
-    __slots__ = ("pending", "sink", "tokens_per_block", "worker_timing")
+    __slots__ = ("__weakref__", "compared", "groups", "ours", "pending", "sink", "theirs", "worker_timing")
 
-    def __init__(self, sink: HiCacheTelemetry | None, tokens_per_block: int) -> None:
+    def __init__(self, sink: HiCacheTelemetry | None, groups: tuple[_Group, ...]) -> None:
         self.sink = sink
-        self.tokens_per_block = tokens_per_block
+        self.groups = groups
         self.pending: dict[int, _Pending] = {}
         self.worker_timing: TimingSource | None = None
+        # [bytes, timed count, seconds] per direction: what we recorded, what vLLM handed over
+        self.ours = {op: [0.0, 0.0, 0.0] for op in _DIRECTIONS}
+        self.theirs = {op: [0.0, 0.0, 0.0] for op in _DIRECTIONS}
+        self.compared: tuple[_Totals, _Totals] | None = None  # (ours, theirs) at the last hand-over
+
+    def tally(self, record: TransferRecord) -> None:
+        totals = self.ours.get(record.operation)
+        if totals is not None and record.copy_duration_s is not None:
+            totals[0] += record.num_bytes if type(record.num_bytes) is int else 0
+            totals[1] += 1
+            totals[2] += record.copy_duration_s if isinstance(record.copy_duration_s, float) else 0.0
+
+    def handed_over(self, transfer_stats: Any) -> None:
+        """vLLM handed its counts since the last hand-over to the scheduler: set ours beside them."""
+        for op, stats in zip(_DIRECTIONS, (transfer_stats.store, transfer_stats.load), strict=True):
+            theirs = self.theirs[op]
+            theirs[0] += stats.bytes
+            theirs[1] += len(stats.sizes)
+            theirs[2] += stats.time
+        self.compared = (
+            tuple(tuple(self.ours[op]) for op in _DIRECTIONS),
+            tuple(tuple(self.theirs[op]) for op in _DIRECTIONS),
+        )
 
 
-class OffloadHooks:
-    """The wrapper callables (wrapt signature ``(wrapped, instance, args, kwargs)``) bound to a :class:`Sinks`."""
+class _TransferCheck:
+    """The engine check of one connector: the instruments whose totals differ from vLLM's, each time the difference
+    changed (a persistent difference is one mismatch, not one a second)."""
 
-    def __init__(self, sinks: Sinks) -> None:
-        self.sinks = sinks
-        self._attr = f"_otel_hicache_jobs_{id(self):x}"
+    __slots__ = ("_connector", "_reported", "_sink")
+
+    def __init__(self, connector: _Connector, sink: HiCacheTelemetry) -> None:
+        self._connector = weakref.ref(connector)
+        self._sink = sink
+        self._reported: dict[str, tuple[float, ...]] = {}
+
+    def __call__(self) -> list[str]:
+        connector = self._connector()
+        if connector is None:  # the connector is gone
+            self._sink.remove_engine_check(self)
+            return []
+        compared = connector.compared
+        if compared is None:
+            return []
+        ours, theirs = compared
+        differences = {
+            METRIC_TRANSFER_SIZE: tuple(t[0] - o[0] for o, t in zip(ours, theirs, strict=True)),
+            METRIC_TRANSFER_DURATION: tuple(
+                d for o, t in zip(ours, theirs, strict=True) for d in (t[1] - o[1], _time_difference(o[2], t[2]))
+            ),
+        }
+        names = []
+        for name, difference in differences.items():
+            if not all(math.isfinite(d) for d in difference):
+                continue  # vLLM counted something that is not a number: nothing to compare
+            if any(difference) and difference != self._reported.get(name):
+                names.append(name)
+            self._reported[name] = difference
+        return names
+
+
+def _time_difference(ours: float, theirs: float) -> float:
+    """vLLM's seconds minus ours, 0 within rounding (the same values, summed in another order)."""
+    difference = theirs - ours
+    return 0.0 if abs(difference) <= 1e-9 * max(1.0, abs(ours)) else difference
+
+
+class Failures:
+    """The one-time log of a hook whose own code failed (vLLM's call goes on untouched)."""
+
+    def __init__(self) -> None:
         self._failed: set[str] = set()
-        self._finishing = threading.local()  # the events of the get_finished call running on this thread
-        # CPU-tier managers built by CPUOffloadingSpec.get_manager: their sink and tokens per chunk
-        self._managers: weakref.WeakKeyDictionary[Any, tuple[HiCacheTelemetry, int]] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
 
-    def _fail(self, hook: str) -> None:
+    def __call__(self, hook: str) -> None:
         if hook not in self._failed:
             self._failed.add(hook)
             _log.warning(
@@ -96,12 +211,32 @@ class OffloadHooks:
                 exc_info=True,
             )
 
+
+class Hooks:
+    """What every group of wrappers (wrapt signature ``(wrapped, instance, args, kwargs)``) shares: the process's
+    :class:`Sinks` and the one-time log of a failed hook."""
+
+    def __init__(self, sinks: Sinks, fail: Callable[[str], None]) -> None:
+        self.sinks = sinks
+        self._fail = fail
+
+
+class OffloadHooks(Hooks):
+    """The wrappers of vLLM's offloading connector: transfers in the workers, allocation failures in the scheduler."""
+
+    def __init__(self, sinks: Sinks, fail: Callable[[str], None]) -> None:
+        super().__init__(sinks, fail)
+        self._attr = f"_otel_hicache_jobs_{id(self):x}"
+        self._finishing = threading.local()  # the events of the get_finished call running on this thread
+
     def _connector(self, worker: Any) -> _Connector:
         state = getattr(worker, self._attr, None)
         if state is None:
             spec = worker.spec
-            state = _Connector(self.sinks.for_spec(spec), int(spec.config.groups[0].tokens_per_block))
+            state = _Connector(self.sinks.for_spec(spec), _groups(spec, worker.kv_cache_config))
             setattr(worker, self._attr, state)
+            if state.sink is not None:
+                state.sink.add_engine_check(_TransferCheck(state, state.sink))
         return state
 
     # ------------------------------------------------------------------ submission: OffloadingConnectorWorker
@@ -111,7 +246,7 @@ class OffloadHooks:
         try:
             if instance._is_store_writer:
                 metadata = args[0] if args else kwargs["metadata"]
-                self._note(instance, TransferOperation.BACKUP, metadata.store_jobs, 0)
+                self._note(instance, TransferOperation.BACKUP, metadata.store_jobs, 0, metadata)
         except Exception:
             self._fail("prepare_store_kv")
         return result
@@ -122,7 +257,7 @@ class OffloadHooks:
             metadata = args[0] if args else kwargs["kv_connector_metadata"]
             if instance._is_store_writer and metadata.jobs_to_flush:
                 flushed = {j: metadata.store_jobs[j] for j in metadata.jobs_to_flush if j in metadata.store_jobs}
-                self._note(instance, TransferOperation.BACKUP, flushed, now_ns())
+                self._note(instance, TransferOperation.BACKUP, flushed, now_ns(), metadata)
             self._submitted(instance)
         except Exception:
             self._fail("handle_preemptions")
@@ -133,21 +268,27 @@ class OffloadHooks:
         try:
             metadata = args[0] if args else kwargs["metadata"]
             self._submitted(instance)
-            self._note(instance, TransferOperation.LOAD_BACK, metadata.load_jobs, now_ns())
+            self._note(instance, TransferOperation.LOAD_BACK, metadata.load_jobs, now_ns(), metadata)
         except Exception:
             self._fail("start_kv_transfers")
         return wrapped(*args, **kwargs)
 
-    def _note(self, instance: Any, operation: TransferOperation, jobs: Any, submit_ns: int) -> None:
+    def _note(self, instance: Any, operation: TransferOperation, jobs: Any, submit_ns: int, metadata: Any) -> None:
         state = self._connector(instance)
         if state.sink is None or not jobs:
             return
-        pending = state.pending
+        pending, groups = state.pending, state.groups
+        links = getattr(metadata, LINKS, None) or {}
         for job_id, job in jobs.items():
             gpu = job.src_spec if operation is TransferOperation.BACKUP else job.dst_spec
-            sizes = gpu.group_sizes
-            first = int(sizes[0]) if len(sizes) else len(gpu.block_ids)
-            pending[job_id] = _Pending(operation, first * state.tokens_per_block, len(gpu.block_ids), submit_ns)
+            blocks = len(gpu.block_ids)
+            sizes = gpu.group_sizes if len(groups) > 1 else (blocks,)
+            tokens: dict[str, int] = {}
+            for group, size in zip(groups, sizes, strict=True):
+                tokens[group.pool] = max(tokens.get(group.pool, 0), int(size) * group.tokens_per_block)
+            served = links.get(job_id)
+            link = () if served is None else (_span_context(*served),)
+            pending[job_id] = _Pending(operation, tokens, blocks, submit_ns, link)
         while len(pending) > MAX_PENDING:
             del pending[next(iter(pending))]
 
@@ -163,36 +304,39 @@ class OffloadHooks:
 
     # ------------------------------------------------------------------ completion
     def get_finished(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """Collect the ``record`` / ``mark_completed`` calls vLLM makes for each finished ``TransferResult``."""
-        events: list[Any] = []
+        """Collect the ``record`` / ``mark_completed`` calls vLLM makes for each finished ``TransferResult`` and
+        report them, also when vLLM raises part-way (what it counted before is reported; its exception goes on)."""
+        events: list[_Measured | _Completed] = []
         outer = getattr(self._finishing, "events", None)
         self._finishing.events = events
         try:
-            result = wrapped(*args, **kwargs)
+            return wrapped(*args, **kwargs)
         finally:
             self._finishing.events = outer
-        if events:
-            try:
-                self._report(instance, events)
-            except Exception:
-                self._fail("get_finished")
-        return result
+            if events:
+                try:
+                    self._report(instance, events)
+                except Exception:
+                    self._fail("get_finished")
 
     def transfer_stats_record(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``DirectionalTransferStats.record(num_bytes, time)``: vLLM counting one timed result."""
+        """``DirectionalTransferStats.record(num_bytes, time)``: vLLM counting one timed result (noted once vLLM's
+        call returned, so what vLLM refused is not reported either)."""
+        result = wrapped(*args, **kwargs)
         events = getattr(self._finishing, "events", None)
         if events is not None:
-            events.append(_stats_arguments(*args, **kwargs))
-        return wrapped(*args, **kwargs)
+            events.append(_Measured(args, kwargs))
+        return result
 
     def mark_completed(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingWorkerMetadata.mark_completed(job_id)``: the result's job is done."""
+        result = wrapped(*args, **kwargs)
         events = getattr(self._finishing, "events", None)
         if events is not None:
-            events.append(int(args[0] if args else kwargs["job_id"]))
-        return wrapped(*args, **kwargs)
+            events.append(_Completed(args, kwargs))
+        return result
 
-    def _report(self, instance: Any, events: list[Any]) -> None:
+    def _report(self, instance: Any, events: list[_Measured | _Completed]) -> None:
         state = self._connector(instance)
         sink = state.sink
         if sink is None:
@@ -202,15 +346,33 @@ class OffloadHooks:
             name = f"{worker.__module__}.{worker.__qualname__}"
             state.worker_timing = TimingSource.CUDA_EVENT if name in _DEVICE_TIMED_WORKERS else TimingSource.HOST_CLOCK
         done_ns = now_ns()
-        measured: tuple[int, float] | None = None
+        measured: _Measured | None = None
         for event in events:
-            if isinstance(event, tuple):
+            if isinstance(event, _Measured):
                 measured = event
                 continue
-            entry = state.pending.pop(event, None)
-            if entry is not None:
-                sink.record_transfer(_record(entry, measured, done_ns, state.worker_timing))
+            try:  # one result's odd arguments never cost the others
+                entry = state.pending.pop(_job_id(*event.args, **event.kwargs), None)
+                if entry is not None:
+                    sizes = None if measured is None else _stats_arguments(*measured.args, **measured.kwargs)
+                    record = _record(entry, sizes, done_ns, state.worker_timing)
+                    sink.record_transfer(record)
+                    state.tally(record)
+            except Exception:
+                self._fail("get_finished")
             measured = None
+
+    def build_connector_worker_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``OffloadingConnectorWorker.build_connector_worker_meta``: vLLM hands what it counted since the last call
+        to the scheduler; the self-check's consistent point."""
+        meta = wrapped(*args, **kwargs)
+        try:
+            state = self._connector(instance)
+            if state.sink is not None and meta is not None:
+                state.handed_over(meta.transfer_stats)
+        except Exception:
+            self._fail("build_connector_worker_meta")
+        return meta
 
     # ------------------------------------------------------------------ scheduler side
     def increase_counter(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -228,78 +390,49 @@ class OffloadHooks:
             self._fail("increase_counter")
         return result
 
-    def get_manager(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``CPUOffloadingSpec.get_manager``: report the CPU tier's occupancy of the manager it built."""
-        manager = wrapped(*args, **kwargs)
-        try:
-            with self._lock:
-                new = manager not in self._managers
-            sink = self.sinks.for_spec(instance) if new else None
-            if sink is not None:
-                config = instance.config
-                tokens_per_chunk = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
-                with self._lock:
-                    self._managers[manager] = (sink, tokens_per_chunk)
-                sink.add_pool_usage_source(_CpuTierSource(manager, tokens_per_chunk, sink))
-        except Exception:
-            self._fail("get_manager")
-        return manager
 
-    def prepare_store(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``CPUOffloadingManager.prepare_store``: chunks it evicted to make room are an eviction pass on the CPU
-        tier, timed on the host around the call."""
-        start = time.perf_counter()
-        result = wrapped(*args, **kwargs)
-        try:
-            evicted = len(result.evicted_keys) if result is not None else 0
-            known = self._managers.get(instance) if evicted else None
-            if known is not None:
-                sink, tokens_per_chunk = known
-                sink.record_eviction(
-                    EvictionRecord(Tier.HOST, evicted * tokens_per_chunk, time.perf_counter() - start, now_ns())
-                )
-        except Exception:
-            self._fail("prepare_store")
-        return result
-
-
-def _record(entry: _Pending, measured: tuple[int, float] | None, done_ns: int, timing: TimingSource) -> TransferRecord:
+def _record(entry: _Pending, measured: tuple[Any, Any] | None, done_ns: int, timing: TimingSource) -> TransferRecord:
+    """The transfer record of one finished job. ``measured`` is what vLLM counted for it (bytes, seconds), as vLLM
+    got them (the telemetry refuses values that are not counts or durations); ``None`` for a result without size and
+    time, which vLLM does not count: then the transfer is reported with its tokens and blocks, no bytes and no
+    duration (timing source ``none``), so bytes, time and count stay equal to vLLM's."""
     submit_ns = entry.submit_ns or done_ns  # a store finished before we saw it submitted
     num_bytes, duration = measured if measured is not None else (0, None)
     return TransferRecord(
         operation=entry.operation,
-        tokens_by_pool={DEFAULT_POOL: entry.tokens},
-        num_bytes=int(num_bytes),
+        tokens_by_pool=entry.tokens_by_pool,
+        num_bytes=num_bytes,
         submit_time_ns=min(submit_ns, done_ns),
         complete_time_ns=done_ns,
-        copy_duration_s=None if duration is None else float(duration),
+        copy_duration_s=duration,
         timing_source=TimingSource.NONE if duration is None else timing,
         node_count=entry.blocks,
+        links=entry.links,
     )
 
 
-class _CpuTierSource:
-    """The CPU tier's chunks holding KV (cached or in flight) and its capacity, in tokens, read at collection."""
-
-    __slots__ = ("__weakref__", "_manager", "_telemetry", "_tokens_per_chunk")
-
-    def __init__(self, manager: Any, tokens_per_chunk: int, telemetry: HiCacheTelemetry) -> None:
-        self._manager = weakref.ref(manager)
-        self._tokens_per_chunk = tokens_per_chunk
-        self._telemetry = telemetry
-
-    def __call__(self) -> list[PoolUsage]:
-        manager = self._manager()
-        if manager is None:  # the manager is gone: stop reporting it
-            self._telemetry.remove_pool_usage_source(self)
-            return []
-        held = manager._num_allocated_chunks - len(manager._free_list)
-        per = self._tokens_per_chunk
-        return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=held * per, limit=manager._num_chunks * per)]
+def _span_context(trace_id: int, span_id: int, flags: int) -> SpanContext:
+    return SpanContext(int(trace_id), int(span_id), is_remote=True, trace_flags=TraceFlags(int(flags)))
 
 
-def _stats_arguments(num_bytes: int, time: float) -> tuple[int, float]:
-    return int(num_bytes), float(time)
+def _groups(spec: Any, kv_cache_config: Any) -> tuple[_Group, ...]:
+    """The KV cache groups a connector offloads (``spec.config.groups``), each with its pool and tokens per block."""
+    spec_kind = importlib.import_module("vllm.v1.kv_cache_interface").get_kv_cache_spec_kind
+    groups = []
+    for group in spec.config.groups:
+        cache_group = kv_cache_config.kv_cache_groups[group.group_id]
+        kind = spec_kind(cache_group.kv_cache_spec)
+        pool = group_pool(str(getattr(kind, "value", kind)), cache_group.is_eagle_group, str(cache_group.role.value))
+        groups.append(_Group(pool, int(group.tokens_per_block)))
+    return tuple(groups)
+
+
+def _stats_arguments(num_bytes: Any, time: Any) -> tuple[Any, Any]:
+    return num_bytes, time
+
+
+def _job_id(job_id: Any) -> int:
+    return int(job_id)
 
 
 def _counter_arguments(

