@@ -1,4 +1,4 @@
-"""The user manual stays true: the README's vocabulary is the code's and its examples run.
+"""The user manual stays true: the README and docs/ name what the code names, and their examples run.
 
 Docstring examples run as doctests of every module (``--doctest-modules`` in pyproject.toml).
 """
@@ -13,12 +13,22 @@ from otel_hicache.integrations.sglang.semconv import SGLANG_SERIES
 from otel_hicache.integrations.vllm.semconv import VLLM_SERIES
 from otel_hicache.sdk import TelemetrySetup
 
-README = Path(__file__).parents[1] / "README.md"
+ROOT = Path(__file__).parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 
 
-def test_readme_vocabulary_table_lists_every_instrument_with_its_unit_and_attributes() -> None:
+def section(path: Path, title: str) -> str:
+    """The text of the ``## title`` section of ``path`` (the whole file when it is the file's own title)."""
+    text = path.read_text()
+    if text.startswith(f"# {title}\n"):
+        return text
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_vocabulary_table_lists_every_instrument_with_its_unit_and_attributes() -> None:
     rows = {}
-    for line in README.read_text().splitlines():
+    for line in (DOCS / "vocabulary.md").read_text().splitlines():
         match = re.match(r"^\| `([a-z_.]+)` \| ([a-z_ ]+), `([^`]+)` \| (.*) \|$", line)
         if match:
             rows[match.group(1)] = (
@@ -33,32 +43,43 @@ def test_readme_vocabulary_table_lists_every_instrument_with_its_unit_and_attrib
     assert set(rows) == {spec.name for spec in sc.INSTRUMENTS}
 
 
-def test_readme_maps_every_sglang_series() -> None:
-    text = README.read_text()
+def test_the_vocabulary_maps_every_sglang_series() -> None:
+    text = section(DOCS / "vocabulary.md", "Porting SGLang dashboards")
     for sglang, ours in SGLANG_SERIES:
         assert f"`{sglang}`" in text and f"`{ours}`" in text, sglang
 
 
-def test_readme_python_examples_run() -> None:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert blocks
-    for block in blocks:
+def test_python_examples_of_the_readme_and_docs_run() -> None:
+    pages = [README, *sorted(DOCS.glob("*.md"))]
+    blocks = [(page, block) for page in pages for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
+    assert {page.name for page, _ in blocks} >= {"README.md", "api.md"}
+    for page, block in blocks:
         namespace: dict[str, object] = {}
-        exec(compile(block, str(README), "exec"), namespace)
+        exec(compile(block, str(page), "exec"), namespace)
         setup = namespace.get("setup")
         if isinstance(setup, TelemetrySetup):
             setup.shutdown()
 
 
-def test_readme_add_an_engine_names_files_that_exist() -> None:
-    section = README.read_text().split("## Add an engine", 1)[1].split("\n## ", 1)[0]
-    paths = [p for p in re.findall(r"`([\w./<>]+\.(?:py|toml))`", section) if "<" not in p]
+def test_adding_an_engine_names_files_that_exist() -> None:
+    text = section(DOCS / "adding-an-engine.md", "Add an engine")
+    paths = [p for p in re.findall(r"`([\w./<>]+\.(?:py|toml))`", text) if "<" not in p]
     assert "otel_hicache/integrations/_base.py" in paths and "tests/integrations/test_base.py" in paths
     for path in paths:
-        assert (README.parent / path).is_file(), path
+        assert (ROOT / path).is_file(), path
 
 
-def test_readme_vllm_table_is_vllm_series() -> None:
-    section = README.read_text().split("## Instrument vLLM", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(.+)` \| `(.+)` \|$", section, re.M)
+def test_the_vllm_table_is_vllm_series() -> None:
+    rows = re.findall(r"^\| `(.+)` \| `(.+)` \|$", section(DOCS / "vllm.md", "Instrument vLLM"), re.M)
     assert rows == list(VLLM_SERIES)
+
+
+def test_every_link_between_the_readme_and_docs_resolves() -> None:
+    for page in [README, *DOCS.glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links to {target}"
+
+
+def test_every_page_of_docs_is_linked_from_the_readme() -> None:
+    linked = set(re.findall(r"\]\(docs/([a-z-]+\.md)\)", README.read_text()))
+    assert linked == {page.name for page in DOCS.glob("*.md")}
