@@ -4,7 +4,7 @@
 
 * **OTLP** when an endpoint is configured (``OTEL_EXPORTER_OTLP_ENDPOINT`` or the per-signal
   ``..._TRACES_ENDPOINT`` / ``..._METRICS_ENDPOINT``, or ``endpoint=``): the telemetry's spans and metrics are built
-  and exported by its export process (:mod:`otel_hicache.export_process`); this process runs no exporter, span
+  and exported by its export process (:mod:`otel_hicache._internal.export_process`); this process runs no exporter, span
   processor or metric reader of ours. ``OTEL_EXPORTER_OTLP_PROTOCOL`` (``grpc`` or ``http/protobuf``) picks the
   exporter; headers, TLS (``..._CERTIFICATE``, ``..._INSECURE``), compression and timeouts come from the same
   variables.
@@ -86,9 +86,9 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.version import __version__ as sdk_version
 
 from otel_hicache import semconv as sc
-from otel_hicache.channel import Channel
+from otel_hicache._internal.channel import Channel
+from otel_hicache._internal.export_process import ExportProcess
 from otel_hicache.config import DEFAULT_CARDINALITY_LIMIT, ConfigError, Settings, SignalSettings, key_values, validate
-from otel_hicache.export_process import ExportProcess
 from otel_hicache.telemetry import HiCacheTelemetry
 
 DEFAULT_SERVICE_NAME = "otel-hicache"

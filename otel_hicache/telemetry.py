@@ -4,21 +4,22 @@ From each record it derives both the metric points and the span, so traces and m
 
 What the host process pays (the scheduler thread is latency-critical, and every thread of its process shares its GIL):
 
-* On the calling thread a record is **validated** (:mod:`otel_hicache.validation`: each field read once), its counts
-  are added to the **exact counter table** (:mod:`otel_hicache.accumulation`) and the record is packed into a
-  bounded **ring** (:mod:`otel_hicache.channel`): a few microseconds, no SDK call, no device sync, never a wait.
+* On the calling thread a record is **validated** (:mod:`otel_hicache._internal.validation`: each field read once), its
+  counts are added to the **exact counter table** (:mod:`otel_hicache._internal.accumulation`) and the record is packed
+  into a bounded **ring** (:mod:`otel_hicache._internal.channel`): a few microseconds, no SDK call, no device sync,
+  never a wait.
 * Spans, histogram points, OTLP encoding and export happen in the **export process**
-  (:mod:`otel_hicache.export_process`) when exporting over OTLP: the host has no thread doing that work. The table
-  and the ring live in memory the export process maps, so what the host counted is exported even after a SIGKILL.
-  In-process (the embedded default, or providers handed to this class), a consumer thread does the same work in
-  slices of ~50 us (``SLICE_NS``), pausing between them so the scheduler thread gets the GIL back.
+  (:mod:`otel_hicache._internal.export_process`) when exporting over OTLP: the host has no thread doing that work. The
+  table and the ring live in memory the export process maps, so what the host counted is exported even after a SIGKILL.
+  In-process (the embedded default, or providers handed to this class), a consumer thread does the same work in slices
+  of ~50 us (``SLICE_NS``), pausing between them so the scheduler thread gets the GIL back.
 * :meth:`HiCacheTelemetry.record_transfer_deferred` only appends ``(build, payload)`` to a bounded queue, and a
-  producer's own :meth:`HiCacheTelemetry.deferred_queue` (:mod:`otel_hicache.deferred`) takes an entry with two C
-  calls; a host thread builds and counts the records in short slices (an adapter's build reports with
+  producer's own :meth:`HiCacheTelemetry.deferred_queue` (:mod:`otel_hicache._internal.deferred`) takes an entry with
+  two C calls; a host thread builds and counts the records in short slices (an adapter's build reports with
   :meth:`HiCacheTelemetry.record_transfer_at`: no record object, the values its :meth:`~HiCacheTelemetry.transfer_site`
   shares checked once). Past the bound the oldest is shed and counted
-  (``otel_hicache.records.rejected{problem=queue_full}``), never built on the caller's thread; a hung ``build``
-  delays only that thread.
+  (``otel_hicache.records.rejected{problem=queue_full}``), never built on the caller's thread; a hung ``build`` delays
+  only that thread.
 * Nothing raises into the caller: a malformed record is refused whole with a one-time warning and counted in
   ``otel_hicache.records.rejected``; a correction (an unknown pool counted as ``other``, a bad link left out) is
   counted in ``otel_hicache.records.normalized``; a span that cannot be queued is counted in
@@ -47,11 +48,12 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanContext
 
 from otel_hicache import semconv as sc
-from otel_hicache import validation
-from otel_hicache.accumulation import Layout
-from otel_hicache.channel import EXPORTER_PID, HEADER_INTS, Channel, Record
-from otel_hicache.deferred import Build, DeferredQueue
-from otel_hicache.export import Emitter
+from otel_hicache._internal import validation
+from otel_hicache._internal.accumulation import Layout
+from otel_hicache._internal.channel import EXPORTER_PID, HEADER_INTS, Channel, Record
+from otel_hicache._internal.deferred import Build, DeferredQueue
+from otel_hicache._internal.emitter import Emitter
+from otel_hicache._internal.validation import Rejected
 from otel_hicache.records import (
     DropRecord,
     EvictionRecord,
@@ -62,7 +64,6 @@ from otel_hicache.records import (
     TransferRecord,
 )
 from otel_hicache.semconv import Problem, RecordKind, Tier, TimingSource, TransferOperation
-from otel_hicache.validation import Rejected
 
 _log = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from otel_hicache import semconv as sc
-from otel_hicache.accumulation import Layout
-from otel_hicache.channel import Channel, Points
+from otel_hicache._internal.accumulation import Layout
+from otel_hicache._internal.channel import Channel, Points
+from otel_hicache._internal.validation import Link
 from otel_hicache.records import DropRecord, EvictedEntry, EvictionRecord, KvWait, PrefixSplit
 from otel_hicache.sdk import TelemetrySetup, configure
 from otel_hicache.semconv import Tier, TransferOperation
 from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
 from otel_hicache.testing.sdk import Sdk, make_sdk
-from otel_hicache.validation import Link
 
 T0 = 1_790_000_000_000_000_000
 REUSED = sc.ATTR_EVICTION_REUSED

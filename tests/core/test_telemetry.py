@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache import validation
+from otel_hicache._internal import validation
 from otel_hicache.records import (
     DropRecord,
     EvictedEntry,

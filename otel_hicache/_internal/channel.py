@@ -4,7 +4,7 @@ Layout (all int64-aligned)::
 
     header (HEADER_INTS int64)  |  counter table + pool gauges (accumulation.Layout)  |  record ring (slots)
 
-* The **counter table** holds every counter series exactly (:mod:`otel_hicache.accumulation`).
+* The **counter table** holds every counter series exactly (:mod:`otel_hicache._internal.accumulation`).
 * The **record ring** is a bounded single-producer / single-consumer queue of fixed-size slots: the host packs each
   transfer (for its span and histogram point) and the histogram points of other records (eviction durations and
   ages, request KV waits: :class:`Points`, several values to a slot) into the next free slots; when the ring is full
@@ -34,9 +34,9 @@ from typing import Any, NamedTuple
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache.accumulation import Counters, Key, Layout
+from otel_hicache._internal.accumulation import Counters, Key, Layout
+from otel_hicache._internal.validation import MAX_LABEL_BYTES, Link, Transfer
 from otel_hicache.records import TransferRecord
-from otel_hicache.validation import MAX_LABEL_BYTES, Link, Transfer
 
 # header slots
 MAGIC, WRITE, READ, SETTLED, FLUSH_REQ, FLUSH_DONE, EXPORTER_PID, EXPORT_DROPPED, ID_SEED = range(9)

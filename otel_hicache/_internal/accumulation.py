@@ -1,9 +1,9 @@
 """Exact accumulation: every counter series and pool gauge as one int64 slot in a fixed table.
 
-The attribute values are closed sets (operations, pools, reasons, ...), so every series a counter can ever have is
-known up front and gets a slot: the table's layout is derived from :data:`otel_hicache.semconv.INSTRUMENTS` and the
-pool list alone, and the host and the export process compute the same layout from the same pools. The table lives in
-memory both can see (:mod:`otel_hicache.channel`): the host adds into it under its lock, the exporter reads it at each
+The attribute values are closed sets (operations, pools, reasons, ...), so every series a counter can ever have is known
+up front and gets a slot: the table's layout is derived from :data:`otel_hicache.semconv.INSTRUMENTS` and the pool list
+alone, and the host and the export process compute the same layout from the same pools. The table lives in memory both
+can see (:mod:`otel_hicache._internal.channel`): the host adds into it under its lock, the exporter reads it at each
 collection, and what the host counted is there to export even after the host was SIGKILLed.
 """
 

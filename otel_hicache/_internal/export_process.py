@@ -53,7 +53,7 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
-from otel_hicache.channel import (
+from otel_hicache._internal.channel import (
     EXPORT_DROPPED,
     EXPORTER_PID,
     FLUSH_DONE,
@@ -82,7 +82,7 @@ _BOOT = (
     "fds = [int(fd) for fd in sys.argv[1].split(',')]\n"
     "with os.fdopen(fds[2], 'rb') as f:\n    config = json.loads(f.read())\n"
     "os.environ.update(config.pop('environment'))\n"
-    "from otel_hicache.export_process import main\n"
+    "from otel_hicache._internal.export_process import main\n"
     "main(fds[0], fds[1], config)\n"
 )
 #: How the liveness pipe's lines start: the launcher naming the exporter's pid, an exporter log record.
@@ -99,7 +99,7 @@ FINAL_TIMEOUT_S = 5.0
 LIVED_S = 10.0
 #: The longest wait before launching again while launches keep failing (0.5 s, then doubling).
 MAX_BACKOFF_S = 30.0
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class _Launch:
@@ -604,8 +604,8 @@ def main(hangup_fd: int, channel_fd: int, config: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the host
     os.nice(EXPORTER_NICENESS)  # background work: on a busy host, the scheduler runs first
 
-    from otel_hicache.accumulation import Layout
-    from otel_hicache.export import Emitter
+    from otel_hicache._internal.accumulation import Layout
+    from otel_hicache._internal.emitter import Emitter
     from otel_hicache.sdk import export_providers
 
     channel = Channel(Layout(config["pools"], config["seed_pools"], HEADER_INTS), config["capacity"], shared=True,

@@ -1,9 +1,9 @@
 """The export side: OTel instruments over the counter table, and spans and histogram points from ring records.
 
-:class:`Emitter` is the policy half of the pipeline (the ring in :mod:`otel_hicache.channel` is the mechanism, as the
-OTel SDK separates ``BatchProcessor`` from ``BatchSpanProcessor``). It runs wherever the records are consumed: in the
-export process (:mod:`otel_hicache.export_process`, the default when exporting over OTLP) or on a consumer thread of
-the host (the embedded default, and providers handed to :class:`~otel_hicache.telemetry.HiCacheTelemetry`).
+:class:`Emitter` is the policy half of the pipeline (the ring in :mod:`otel_hicache._internal.channel` is the mechanism,
+as the OTel SDK separates ``BatchProcessor`` from ``BatchSpanProcessor``). It runs wherever the records are consumed: in
+the export process (:mod:`otel_hicache._internal.export_process`, the default when exporting over OTLP) or on a consumer
+thread of the host (the embedded default, and providers handed to :class:`~otel_hicache.telemetry.HiCacheTelemetry`).
 
 Every instrument comes from one table, :data:`otel_hicache.semconv.INSTRUMENTS`: counters become observable counters
 reading the exact table, histograms get the table's buckets, pool gauges read the last pool reading.
@@ -22,8 +22,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link, NonRecordingSpan, Span
 
 from otel_hicache import semconv as sc
-from otel_hicache.accumulation import Counters
-from otel_hicache.channel import Points, Record
+from otel_hicache._internal.accumulation import Counters
+from otel_hicache._internal.channel import Points, Record
 from otel_hicache.records import TransferRecord
 from otel_hicache.version import __version__
 
