@@ -86,8 +86,8 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.version import __version__ as sdk_version
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal.channel import Channel
 from otel_hicache._internal.export_process import ExportProcess
+from otel_hicache._internal.plan import ExportPlan
 from otel_hicache.config import DEFAULT_CARDINALITY_LIMIT, ConfigError, Settings, SignalSettings, key_values, validate
 from otel_hicache.telemetry import HiCacheTelemetry
 
@@ -550,13 +550,13 @@ def _traces_side(
 
 
 def export_providers(
-    config: Mapping[str, Any], collect: SpanProcessor, id_generator: IdGenerator
+    plan: ExportPlan, collect: SpanProcessor, id_generator: IdGenerator
 ) -> tuple[TracerProvider, MeterProvider, SpanExporter | None, Settings]:
     """The export process's providers: the host's settings (its ``OTEL_*`` variables are this process's environment,
-    its arguments in ``config``) and Resource; spans go to ``collect``, the OTLP span exporter is handed back."""
-    settings = validate(os.environ, endpoint=config["endpoint"], protocol=config["protocol"],
-                        cardinality_limit=config["cardinality_limit"])  # fmt: skip
-    side, traces = _build(settings, Resource(config["resource"]), collect=collect, id_generator=id_generator)
+    its arguments in ``plan``) and Resource; spans go to ``collect``, the OTLP span exporter is handed back."""
+    settings = validate(os.environ, endpoint=plan.endpoint, protocol=plan.protocol,
+                        cardinality_limit=plan.cardinality_limit)  # fmt: skip
+    side, traces = _build(settings, Resource(plan.resource), collect=collect, id_generator=id_generator)
     return traces.tracer_provider, side.meter_provider, traces.span_exporter, settings
 
 
@@ -608,16 +608,16 @@ def configure(
     if not in_process and kinds == {"none"}:
         setup = _without_export(pools, extra_pools, token_metrics, "none", app=app)
     elif not in_process:
-        config = {
-            "environment": _exporter_environment(env),
-            "endpoint": endpoint,
-            "protocol": protocol,
-            "resource": dict(resource.attributes),
-            "cardinality_limit": cardinality_limit,
-            "spans": "otlp" in settings.traces_exporters,
-            "token_metrics": token_metrics,
-        }
-        consumer = functools.partial(_export_process, config=config)
+        plan = ExportPlan(
+            environment=_exporter_environment(env),
+            resource=dict(resource.attributes),
+            endpoint=endpoint,
+            protocol=protocol,
+            cardinality_limit=cardinality_limit,
+            spans="otlp" in settings.traces_exporters,
+            token_metrics=token_metrics,
+        )
+        consumer = functools.partial(ExportProcess, plan=plan)
         telemetry = HiCacheTelemetry(pools=pools, extra_pools=extra_pools, consumer=consumer)
         setup = TelemetrySetup(telemetry, "otlp", app=app)
     else:
@@ -655,12 +655,6 @@ def _exporter_environment(env: Mapping[str, str]) -> dict[str, str]:
     out = {key: value for key, value in env.items() if key.startswith("OTEL_")}
     out.setdefault(_INTERNAL_METRICS_ENV, "true")
     return out
-
-
-def _export_process(channel: Channel, *, config: dict[str, Any]) -> ExportProcess:
-    layout = channel.layout
-    full = {**config, "pools": list(layout.pools), "seed_pools": list(layout.seed_pools), "capacity": channel.capacity}
-    return ExportProcess(full)
 
 
 #: Open setups whose ``service.instance.id`` was pinned, by (pid, namespace, name, instance id).

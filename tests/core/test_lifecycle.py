@@ -381,7 +381,7 @@ IN_THE_HOST = textwrap.dedent(
     """
     import json, logging, os, sys, threading
     from otel_hicache import configure
-    from otel_hicache._internal.export_process import EXPORTER_LOGGERS
+    from otel_hicache._internal.exporter import EXPORTER_LOGGERS
     from otel_hicache.records import TransferRecord
     environ = dict(os.environ)
     filters = {name: list(logging.getLogger(name).filters) for name in EXPORTER_LOGGERS}
