@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import IdGenerator
@@ -40,6 +41,8 @@ from otel_hicache._internal.channel import (
 )
 from otel_hicache._internal.emitter import Emitter
 from otel_hicache._internal.plan import LOG_LINE, MAX_LINE_BYTES, ExportPlan
+from otel_hicache._internal.providers import build
+from otel_hicache.config import validate
 
 _log = logging.getLogger(__name__)
 
@@ -132,13 +135,22 @@ class Collect(SpanProcessor):
 
 
 class _Sender:
-    """Builds the ring's records into spans and histogram points, and sends the spans: ``batch`` at a time, at least
-    every ``delay_s`` (the SDK batch processor's rule); then settles the slots. Only the main thread calls it."""
+    """Builds the ring's records into spans and histogram points, and sends the spans to every exporter: ``batch`` at
+    a time, at least every ``delay_s`` (the SDK batch processor's rule); then settles the slots. A span an exporter
+    did not take is counted as dropped once. Only the main thread calls it."""
 
-    def __init__(self, channel: Channel, emit: Callable[[Any], None], ids: RingIds, collect: Collect,
-                 exporter: SpanExporter | None, batch: int, delay_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        channel: Channel,
+        emit: Callable[[Any], None],
+        ids: RingIds,
+        collect: Collect,
+        exporters: Sequence[SpanExporter],
+        batch: int,
+        delay_s: float,
+    ) -> None:
         self._channel, self._emit, self._ids, self._collect = channel, emit, ids, collect
-        self._exporter, self._batch, self._delay_s = exporter, batch, delay_s
+        self._exporters, self._batch, self._delay_s = exporters, batch, delay_s
         self._since = 0.0  # when the oldest span not sent was built
 
     def build(self) -> None:
@@ -168,15 +180,19 @@ class _Sender:
         ints = self._channel.ints
         for at in range(0, len(spans), self._batch):
             chunk: Sequence[ReadableSpan] = spans[at : at + self._batch]
-            try:
-                sent = self._exporter is not None and self._exporter.export(chunk) is SpanExportResult.SUCCESS
-            except Exception:
-                _log.debug("exporting spans failed", exc_info=True)
-                sent = False
-            if not sent:
+            sent = [_export(exporter, chunk) for exporter in self._exporters]
+            if not all(sent):
                 ints[EXPORT_DROPPED] += len(chunk)
         self._channel.settle()
         self._since = 0.0
+
+
+def _export(exporter: SpanExporter, spans: Sequence[ReadableSpan]) -> bool:
+    try:
+        return exporter.export(spans) is SpanExportResult.SUCCESS
+    except Exception:
+        _log.debug("exporting spans failed", exc_info=True)
+        return False
 
 
 def main(hangup_fd: int, channel_fd: int, plan: ExportPlan) -> None:
@@ -191,17 +207,19 @@ def main(hangup_fd: int, channel_fd: int, plan: ExportPlan) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the host
     os.nice(EXPORTER_NICENESS)  # background work: on a busy host, the scheduler runs first
 
-    from otel_hicache.sdk import export_providers
-
     channel = Channel(Layout(plan.pools, plan.seed_pools, HEADER_INTS), plan.capacity, shared=True, fd=channel_fd)
     ints = channel.ints
     ids, collect = RingIds(ints[ID_SEED]), Collect()
-    tracer_provider, meter_provider, span_exporter, settings = export_providers(plan, collect, ids)
+    settings = validate(
+        os.environ, endpoint=plan.endpoint, protocol=plan.protocol, cardinality_limit=plan.cardinality_limit
+    )  # the host's OTEL_* variables are this process's environment, its arguments in the plan
+    metrics_side, traces_side = build(settings, Resource(plan.resource), collect=collect, id_generator=ids)
+    tracer_provider, meter_provider = traces_side.tracer_provider, metrics_side.meter_provider
     emitter = Emitter(
         channel.counters, tracer_provider, meter_provider, spans=plan.spans, token_metrics=plan.token_metrics
     )
-    sender = _Sender(channel, emitter.emit, ids, collect, span_exporter, settings.bsp_max_export_batch_size,
-                     settings.bsp_schedule_delay_ms / 1000)  # fmt: skip
+    batch, delay_s = settings.bsp_max_export_batch_size, settings.bsp_schedule_delay_ms / 1000
+    sender = _Sender(channel, emitter.emit, ids, collect, traces_side.span_exporters, batch, delay_s)
     ints[READ] = ints[SETTLED]  # what a predecessor took and never settled is built and sent again
     ints[EXPORTER_PID] = os.getpid()
     final_s = FINAL_TIMEOUT_S
@@ -242,7 +260,7 @@ def main(hangup_fd: int, channel_fd: int, plan: ExportPlan) -> None:
 
     try:
         sender.build()
-        if span_exporter is not None:  # half the time left for spans, whatever the collector does
+        for span_exporter in traces_side.span_exporters:  # half the time left for spans, whatever the collector does
             cut_off = threading.Timer(final_s / 2, span_exporter.shutdown)
             cut_off.daemon = True
             cut_off.start()
