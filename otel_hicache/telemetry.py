@@ -270,11 +270,11 @@ class HiCacheTelemetry:
         self._count_transfer(checked)
 
     def _count_transfer(self, t: validation.Transfer) -> None:
-        op, tokens, num_bytes, by_pool, corrections = t[0], t[1], t[2], t[3], t[13]
-        token_slots, size_slots = self._token_slots[op], self._size_slots[op, t[7]]
+        by_pool, corrections = t.bytes_by_pool, t.corrections
+        token_slots, size_slots = self._token_slots[t.operation], self._size_slots[t.operation, t.timing_source]
         # the common case without a comprehension (in 3.11 one more Python frame per transfer)
-        adds = [(size_slots[None], num_bytes)] if by_pool is None else [(size_slots[p], n) for p, n in by_pool]
-        for pool, n in tokens:
+        adds = [(size_slots[None], t.num_bytes)] if by_pool is None else [(size_slots[p], n) for p, n in by_pool]
+        for pool, n in t.tokens:
             adds.append((token_slots[pool], n))
         with self._lock:
             counted = self._apply(adds)
@@ -355,9 +355,9 @@ class HiCacheTelemetry:
 
     def record_failure(self, failure: TransferFailure) -> None:
         """Count a transfer that could not be issued or completed. Never raises."""
-        key = self._checked(RecordKind.FAILURE, validation.failure, failure)
-        if key is not None:
-            self._add([(self._failure_slot[key], 1)])
+        checked = self._checked(RecordKind.FAILURE, validation.failure, failure)
+        if checked is not None:
+            self._add([(self._failure_slot[checked], 1)])
 
     def record_drop(self, drop: DropRecord) -> None:
         """Count device KV destroyed without a host copy. Never raises."""
@@ -365,8 +365,7 @@ class HiCacheTelemetry:
         checked = self._checked(RecordKind.DROP, validation.drop, drop, self._known, corrections)
         if checked is None:
             return
-        reason, tokens = checked
-        adds = [(self._drop_slot[(reason, pool)], n) for pool, n in tokens]
+        adds = [(self._drop_slot[(checked.reason, pool)], n) for pool, n in checked.tokens]
         self._add(adds + [(self._normalized_slot[(RecordKind.DROP, p)], 1) for p in corrections])
         for problem in corrections:
             self._warn_once(RecordKind.DROP, problem, "record corrected and counted")
@@ -377,14 +376,14 @@ class HiCacheTelemetry:
         checked = self._checked(RecordKind.EVICTION, validation.eviction, eviction)
         if checked is None:
             return
-        tier, tokens, duration_s, time_ns, entries = checked
+        tier, entries = checked.tier, checked.entries
         by_reuse: dict[bool | None, int] = {}
         adds: list[tuple[int, int]] = []
         for entry in entries:
             by_reuse[entry.reused] = by_reuse.get(entry.reused, 0) + entry.tokens
             if entry.unread_bytes:
                 adds.append((self._wasted_slot[(entry.written_by,)], entry.unread_bytes))
-        unknown = tokens - sum(by_reuse.values())  # tokens of the pass no entry accounts for
+        unknown = checked.tokens - sum(by_reuse.values())  # tokens of the pass no entry accounts for
         if unknown or not by_reuse:
             by_reuse[None] = by_reuse.get(None, 0) + unknown
         adds += [(self._evicted_slot[(tier, reused)], n) for reused, n in by_reuse.items()]
@@ -393,7 +392,8 @@ class HiCacheTelemetry:
             if not self._apply(adds):
                 queued = None
             else:
-                queued = self._put_points(sc.METRIC_EVICTION_DURATION, tier, [duration_s], time_ns, None)
+                time_ns = checked.time_ns
+                queued = self._put_points(sc.METRIC_EVICTION_DURATION, tier, [checked.duration_s], time_ns, None)
                 if ages and queued:
                     queued = self._put_points(sc.METRIC_EVICTION_AGE, tier, ages, time_ns, None)
                 if not queued:
@@ -410,17 +410,18 @@ class HiCacheTelemetry:
         checked = self._checked(RecordKind.KV_WAIT, validation.kv_wait, wait)
         if checked is None:
             return
-        tier, seconds, time_ns = checked
         context = None
         if request_span is not None:
             try:
                 context = validation.link(request_span.get_span_context())
                 if request_span.is_recording():
-                    request_span.set_attribute(f"{sc.ATTR_KV_WAIT}.{tier.value}", seconds)
+                    request_span.set_attribute(f"{sc.ATTR_KV_WAIT}.{checked.tier.value}", checked.seconds)
             except Exception:
                 _log.debug("otel_hicache: reading or annotating a request span failed", exc_info=True)
         with self._lock:
-            queued = self._put_points(sc.METRIC_REQUEST_KV_WAIT, tier, [seconds], time_ns, context)
+            queued = self._put_points(
+                sc.METRIC_REQUEST_KV_WAIT, checked.tier, [checked.seconds], checked.time_ns, context
+            )
             if not queued:
                 self._ints[self._dropped_slot[(RecordKind.KV_WAIT,)]] += 1
         self._queued(RecordKind.KV_WAIT, queued)
@@ -755,9 +756,9 @@ class HiCacheTelemetry:
                 failures.append((self._rejected_slot[(RecordKind.POOL_USAGE, Problem.SOURCE_FAILED)], 1))
                 self._warn_once(RecordKind.POOL_USAGE, Problem.SOURCE_FAILED, "pool-usage source skipped")
                 continue
-            for tier, pool, used, limit in usages:
-                was = readings.get((tier.value, pool), (0, 0))
-                readings[(tier.value, pool)] = (was[0] + used, was[1] + limit)
+            for usage in usages:
+                used, limit = readings.get((usage.tier.value, usage.pool), (0, 0))
+                readings[(usage.tier.value, usage.pool)] = (used + usage.used, limit + usage.limit)
         failures += [(self._normalized_slot[(RecordKind.POOL_USAGE, p)], 1) for p in corrections]
         self._pools_reported = bool(readings)
         with self._lock:

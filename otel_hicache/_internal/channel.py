@@ -157,13 +157,12 @@ class Channel:
 
     # ------------------------------------------------------------------ producer (host, under its lock)
     def _label(self, value: str | None) -> bytes:
-        encoded = self._labels.get(value)
-        if encoded is None:
-            # cut between characters: half of one would reach the span as U+FFFD
-            cut = value.encode("utf-8", "replace")[:MAX_LABEL_BYTES] if value else b""
-            encoded = cut.decode("utf-8", "ignore").encode("utf-8")
-            if len(self._labels) < 256:  # write policies and io backends are a handful of names
-                self._labels[value] = encoded
+        """A label as the ring holds it, cut between characters (half of one would reach the span as U+FFFD); kept
+        for the next record (write policies and io backends are a handful of names)."""
+        cut = value.encode("utf-8", "replace")[:MAX_LABEL_BYTES] if value else b""
+        encoded = cut.decode("utf-8", "ignore").encode("utf-8")
+        if len(self._labels) < 256:
+            self._labels[value] = encoded
         return encoded
 
     def put_transfer(self, t: Transfer) -> bool:
@@ -174,8 +173,7 @@ class Channel:
             return False
         buf, index, labels = self.bytes, self._pool_index, self._labels
         offset = self.ring_offset + (write % self.capacity) * self.slot
-        (op, tokens, num_bytes, by_pool, start, end, duration, source, merged, nodes, policy, backend, links,
-         _) = t  # fmt: skip
+        tokens, by_pool, links = t.tokens, t.bytes_by_pool, t.links
         at = offset + _FIXED.size
         if by_pool is None:  # the common case, packed without an intermediate list
             n_pools = len(tokens)
@@ -193,10 +191,15 @@ class Channel:
         for trace_id, span_id, flags, remote in links:
             _LINK.pack_into(buf, at, trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"), flags, remote)
             at += _LINK.size
-        _FIXED.pack_into(buf, offset, _KIND_TRANSFER, _OP_INDEX[op], _SOURCE_INDEX[source], n_pools, len(links),
-                         by_pool is not None, 0, start, end, math.nan if duration is None else duration, num_bytes,
-                         merged, nodes, labels.get(policy) or self._label(policy),
-                         labels.get(backend) or self._label(backend))  # fmt: skip
+        policy, backend, duration = labels.get(t.write_policy), labels.get(t.io_backend), t.copy_duration_s
+        if policy is None:
+            policy = self._label(t.write_policy)
+        if backend is None:
+            backend = self._label(t.io_backend)
+        _FIXED.pack_into(buf, offset, _KIND_TRANSFER, _OP_INDEX[t.operation], _SOURCE_INDEX[t.timing_source], n_pools,
+                         len(links), by_pool is not None, 0, t.submit_time_ns, t.complete_time_ns,
+                         math.nan if duration is None else duration, t.num_bytes, t.merged_ops, t.node_count, policy,
+                         backend)  # fmt: skip
         self.ints[WRITE] = write + 1
         return True
 
