@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 
 from otel_hicache import semconv as sc
+from otel_hicache._internal.worker import HOST_THREAD_NAME
 from otel_hicache.sdk import configure
-from otel_hicache.telemetry import HOST_THREAD_NAME
 from otel_hicache.testing.otlp_receiver import OtlpReceiver
 from tests.core.support import (
     NOBODY,

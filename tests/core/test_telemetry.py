@@ -588,7 +588,7 @@ class TestDeferredRecords:
         sdk = make_sdk(max_queue=4)
         sdk.telemetry.record_transfer_deferred(hung, (1, 1))
         deadline = time.monotonic() + 5
-        while sdk.telemetry._deferred and time.monotonic() < deadline:  # the host thread took it and hangs in it
+        while sdk.telemetry._host.deferred and time.monotonic() < deadline:  # the host thread took it and hangs in it
             time.sleep(0.001)
         worst = 0.0
         for _ in range(20):  # a burst far past the queue
