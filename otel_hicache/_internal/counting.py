@@ -19,7 +19,7 @@ from otel_hicache import semconv as sc
 from otel_hicache._internal.accumulation import Layout
 from otel_hicache._internal.channel import Channel
 from otel_hicache._internal.validation import Drop, Eviction, Failure, Link, Pools, Rejected, Transfer, Wait
-from otel_hicache.semconv import PrefillMode, Problem, RecordKind, Tier
+from otel_hicache.semconv import PrefillMode, Problem, RecordKind
 
 _log = logging.getLogger("otel_hicache.telemetry")
 _T = TypeVar("_T")
@@ -141,9 +141,9 @@ class Tally:
                 queued = None
             else:
                 time_ns = eviction.time_ns
-                queued = self._put_points(sc.METRIC_EVICTION_DURATION, tier, [eviction.duration_s], time_ns, None)
+                queued = self._put_points(sc.METRIC_EVICTION_DURATION, (tier,), [eviction.duration_s], time_ns, None)
                 if ages and queued:
-                    queued = self._put_points(sc.METRIC_EVICTION_AGE, tier, ages, time_ns, None)
+                    queued = self._put_points(sc.METRIC_EVICTION_AGE, (tier,), ages, time_ns, None)
                 if not queued:
                     self._ints[self._dropped_slot[(RecordKind.EVICTION,)]] += 1
         if queued is None:
@@ -154,7 +154,7 @@ class Tally:
     def kv_wait(self, wait: Wait, context: Link | None) -> None:
         """Queue a request's wait (its histogram point; ``context``: the request's span, for the exemplar)."""
         with self.lock:
-            queued = self._put_points(sc.METRIC_REQUEST_KV_WAIT, wait.tier, [wait.seconds], wait.time_ns, context)
+            queued = self._put_points(sc.METRIC_REQUEST_KV_WAIT, (wait.tier,), [wait.seconds], wait.time_ns, context)
             if not queued:
                 self._ints[self._dropped_slot[(RecordKind.KV_WAIT,)]] += 1
         if not queued:
@@ -256,9 +256,11 @@ class Tally:
             return False
         return True
 
-    def _put_points(self, name: str, tier: Tier, values: list[float], time_ns: int, context: Link | None) -> bool:
-        """Queue histogram points (under the lock); False when they could not be queued."""
+    def _put_points(
+        self, name: str, key: tuple[Any, ...], values: list[float], time_ns: int, context: Link | None
+    ) -> bool:
+        """Queue histogram points of the series ``key`` (under the lock); False when they could not be queued."""
         try:  # all or nothing: a failure leaves the ring as it was
-            return not self.closed and self.channel.put_points(name, tier, values, time_ns, context)
+            return not self.closed and self.channel.put_points(name, key, values, time_ns, context)
         except Exception:
             return False

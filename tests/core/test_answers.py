@@ -218,7 +218,7 @@ class TestRing:
         channel = self.channel(8)
         values = [float(i) / 3 for i in range(channel.values_per_slot * 2 + 1)]
         context = Link(0xABC, 0x12, 1, True)
-        assert channel.put_points(sc.METRIC_EVICTION_AGE, Tier.HOST, values, T0, context)
+        assert channel.put_points(sc.METRIC_EVICTION_AGE, (Tier.HOST,), values, T0, context)
         assert channel.pending() == 3
         taken = channel.take(8)
         assert all(isinstance(p, Points) and p.instrument == sc.METRIC_EVICTION_AGE for p in taken)
@@ -229,7 +229,7 @@ class TestRing:
 
     def test_points_that_do_not_all_fit_are_not_queued_at_all(self) -> None:
         channel = self.channel(2)
-        assert not channel.put_points(sc.METRIC_EVICTION_AGE, Tier.HOST, [1.0] * (channel.values_per_slot * 3), T0)
+        assert not channel.put_points(sc.METRIC_EVICTION_AGE, (Tier.HOST,), [1.0] * (channel.values_per_slot * 3), T0)
         assert channel.pending() == 0
 
 

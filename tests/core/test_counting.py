@@ -91,8 +91,8 @@ def test_an_eviction_counts_each_entry_by_reuse_the_rest_as_unknown_and_the_unre
     assert snap[sc.METRIC_WASTED_SIZE][("storage_prefetch",)] == 512
     points = counts.channel.take(10)
     assert points == [
-        Points(sc.METRIC_EVICTION_DURATION, Tier.HOST, (0.003,), None),
-        Points(sc.METRIC_EVICTION_AGE, Tier.HOST, (4.0, 9.0), None),
+        Points(sc.METRIC_EVICTION_DURATION, (Tier.HOST,), (0.003,), None),
+        Points(sc.METRIC_EVICTION_AGE, (Tier.HOST,), (4.0, 9.0), None),
     ]
 
 

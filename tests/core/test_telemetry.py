@@ -7,12 +7,16 @@ import threading
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.metrics.export import Histogram, Sum
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import Histogram, InMemoryMetricReader, Sum
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
 from otel_hicache._internal import validation
+from otel_hicache._internal.accumulation import Layout
+from otel_hicache._internal.channel import HEADER_INTS, Channel
+from otel_hicache._internal.emitter import Emitter
 from otel_hicache.records import (
     DropRecord,
     EvictedEntry,
@@ -622,3 +626,22 @@ def test_token_metrics_off_leaves_out_every_instrument_counted_in_tokens_and_kee
     )
     assert sdk.spans()[0].attributes["hicache.transfer.tokens.kv"] == 16  # the span still says what moved
     sdk.shutdown()
+
+
+@pytest.mark.parametrize("token_metrics", [True, False])
+def test_each_collection_is_prepared_once_whichever_instruments_the_rank_reports(token_metrics: bool) -> None:
+    """In-process, a collection first counts the deferred records and reads the pools (the emitter's
+    ``before_collect``). Was: only hicache.transfer.tokens' callback did, which a rank without token metrics lacks."""
+    layout = Layout([*sorted(sc.POOLS), sc.OTHER_POOL], ["kv"], HEADER_INTS)
+    channel = Channel(layout, 8, shared=False)
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    prepared: list[int] = []
+    emitter = Emitter(
+        channel.counters, None, provider, token_metrics=token_metrics, before_collect=lambda: prepared.append(1)
+    )
+    reader.get_metrics_data()
+    reader.get_metrics_data()
+    assert prepared == [1, 1]
+    del emitter
+    provider.shutdown()
