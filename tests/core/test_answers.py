@@ -21,7 +21,7 @@ from otel_hicache.records import DropRecord, EvictedEntry, EvictionRecord, KvWai
 from otel_hicache.sdk import TelemetrySetup, configure
 from otel_hicache.semconv import Tier, TransferOperation
 from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
-from otel_hicache.testing.sdk import Sdk, make_sdk
+from otel_hicache.testing.sdk import Sdk, attributes_of, make_sdk
 
 T0 = 1_790_000_000_000_000_000
 REUSED = sc.ATTR_EVICTION_REUSED
@@ -130,7 +130,7 @@ class TestKvWait:
         request = sdk.tracer_provider.get_tracer("engine").start_span("request")
         sdk.telemetry.record_kv_wait(KvWait(Tier.STORAGE, 0.25, T0), request_span=request)
         request.end()
-        assert request.attributes is not None and request.attributes["hicache.kv_wait.storage"] == 0.25
+        assert attributes_of(request)["hicache.kv_wait.storage"] == 0.25
         point = sdk.points(sc.METRIC_REQUEST_KV_WAIT)[frozenset({sc.ATTR_TIER: "storage"}.items())]
         assert [e.trace_id for e in point.exemplars] == [request.get_span_context().trace_id]
 

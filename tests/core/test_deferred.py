@@ -42,7 +42,7 @@ def counted(sdk: Sdk) -> tuple[int, int]:
 def hold_the_host_thread(sdk: Sdk) -> threading.Event:
     """Make the host thread hang in a build (record_transfer_deferred's queue is taken first); set to release."""
     release = threading.Event()
-    sdk.telemetry.record_transfer_deferred(lambda _: release.wait(30) and backup(1000), None)
+    sdk.telemetry.record_transfer_deferred(lambda _: backup(1000) if release.wait(30) else None, None)
     deadline = time.monotonic() + 5
     while sdk.telemetry._host.deferred and time.monotonic() < deadline:
         time.sleep(0.001)
