@@ -5,7 +5,8 @@
 
 * ``__init__.py``: the user manual (its docstring) and the public names;
 * ``semconv.py``: the names only this engine spells (its entry-point name, pool names, its series and ours);
-* ``hooks.py``: the wrapt wrappers, bound to a :class:`ProcessSink`; they read only what the engine computed;
+* ``hooks.py``: the wrapt wrappers (groups of them on :class:`EngineHooks`), bound to a :class:`ProcessSink`; they
+  read only what the engine computed;
 * ``instrumentor.py``: the :class:`EngineInstrumentor` subclass: the target table (each :class:`Target` with the
   shape its wrapper relies on), the supported releases (from :mod:`otel_hicache.package`) and the rank rule;
 * ``plugin.py``: the engine's own plugin entry point, one call of :func:`load_plugin`.
@@ -327,6 +328,27 @@ class ProcessSink:
         return setup.telemetry
 
 
+class EngineHooks:
+    """Base of an adapter's groups of wrappers (wrapt signature ``(wrapped, instance, args, kwargs)``): they report
+    through the process's :class:`ProcessSink`, built at the first event with the engine's rank rule, ``ranks(*at)``
+    (what the rank is read from, where the engine does not publish it per process)."""
+
+    def __init__(self, sink: ProcessSink, ranks: Callable[..., Ranks] | None = None) -> None:
+        self.sink = sink
+        self._ranks = ranks
+
+    @property
+    def telemetry(self) -> HiCacheTelemetry | None:
+        """The process's telemetry, once built."""
+        return self.sink.telemetry
+
+    def _sink(self, *at: Any) -> HiCacheTelemetry | None:
+        """The process's telemetry, built now (with ``ranks(*at)``) if this is its first event; ``None`` when this
+        process reports nothing."""
+        ranks = self._ranks
+        return self.sink.get(None if ranks is None else lambda: ranks(*at))
+
+
 def _unset(provider: Any) -> bool:
     """Whether ``provider`` is OTel's placeholder (nothing installed yet)."""
     return type(provider).__name__ == "_ProxyMeterProvider"
@@ -358,29 +380,20 @@ class EngineInstrumentor(BaseInstrumentor):
     _sink_key: tuple[Any, ...] = ()
     _patch: _Patching | None = None
     _exit_registered = False
-    # Transitional, until the vLLM adapter reports through a ProcessSink (then delete this, the default _patches and
-    # the fallback in `telemetry`): the telemetry such an adapter built itself.
-    _telemetry: HiCacheTelemetry | None = None
 
     @abstractmethod
     def instrumentation_dependencies(self) -> Collection[str]:
         """Requirement strings of the supported engine releases (from :mod:`otel_hicache.package`); any one of them
         installed at a supported version will do."""
 
+    @abstractmethod
     def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
         """Each target and the wrapper that goes on it, reporting through ``sink``; ``options`` are the keyword
-        arguments ``instrument()`` was given. (Transitional default: an adapter written for the earlier base gives
-        its wrappers for a telemetry built at once, ``_wrappers(telemetry, options)``.)"""
-        telemetry = sink.get()
-        if telemetry is None:
-            return ()
-        return self._wrappers(telemetry, options)
+        arguments ``instrument()`` was given."""
 
     @property
     def telemetry(self) -> HiCacheTelemetry | None:
         """The sink the wrappers report through (``None`` until built: see :class:`ProcessSink`)."""
-        if self._telemetry is not None:
-            return self._telemetry
         return None if self._sink is None else self._sink.telemetry
 
     def _check_dependency_conflicts(self) -> DependencyConflict | None:
@@ -409,12 +422,9 @@ class EngineInstrumentor(BaseInstrumentor):
         return super().instrument(**kwargs)
 
     def _instrument(self, **kwargs: Any) -> None:
-        self._telemetry = None
-        self._install(self._patches(self._process_sink(kwargs), kwargs))
-
-    def _install(self, wrappers: Iterable[tuple[Target, Wrapper]]) -> None:
-        """Arm the post-import hooks that put ``wrappers`` on their targets (each under the failure rule), and the
-        exit flush."""
+        """Arm the post-import hooks that put the adapter's wrappers on their targets (each under the failure rule),
+        and the exit flush."""
+        wrappers = self._patches(self._process_sink(kwargs), kwargs)
         patches = [(target, _safe(wrapper, self._engine, target.name)) for target, wrapper in wrappers]
         self._patch = _Patching(self, patches)
         if not self._exit_registered:

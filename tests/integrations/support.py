@@ -1,4 +1,4 @@
-"""What the adapter suites share (tests/integrations, tests/sglang; tests/vllm once its adapter is on the base)."""
+"""What the adapter suites share (tests/integrations, tests/sglang, tests/vllm)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The connector-level engine builder lives in :mod:`tests.vllm.support`, the real engine's pieces (tiny model, server,
 what the processes exported) in :mod:`tests.vllm.engine`; the SDK is :func:`otel_hicache.testing.sdk.make_sdk`, with
-the production Views.
+the production Views. Each test is a process family of its own for the one-warning rule (``fresh_warnings``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 from otel_hicache.testing.sdk import Sdk
+from tests.integrations.support import fresh_warnings
 from tests.pipeline.conftest import prometheus  # noqa: F401  (the session's real Prometheus, for the e2e test)
+
+__all__ = ["fresh_warnings"]
 
 # vLLM (and libraries it imports) report usage over the network unless told not to.
 for _name, _value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("LMCACHE_TRACK_USAGE", "false")):

@@ -310,12 +310,13 @@ DIRECTIONS = (("backup", "store"), ("load_back", "load"))
 
 
 def holds_what_vllm_counted(exported: Exported, vllm: dict[str, float]) -> bool:
-    """Every process's last export holds the bytes vLLM counted, both directions."""
+    """Every process's last export holds what vLLM counted: the workers' bytes, both directions, and the engine
+    core's prompt tokens (each process exports on its own period)."""
     return all(
         exported.total("hicache.transfer.size", {"hicache.operation": op})
         == vllm_total(vllm, f"vllm:kv_offload_{direction}_bytes_total")
         for op, direction in DIRECTIONS
-    )
+    ) and exported.total("hicache.prefill.tokens") == vllm_total(vllm, "vllm:prompt_tokens_by_source_total")
 
 
 def assert_transfers_equal_vllms(exported: Exported, vllm: dict[str, float], operation: str, direction: str) -> None:

@@ -9,10 +9,13 @@ through the scheduler role's ``update_connector_output``.
 
 from __future__ import annotations
 
+import importlib
+import logging
 import time
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan
 
 from otel_hicache.testing.sdk import Sdk
 from tests.vllm import support
@@ -21,6 +24,10 @@ pytestmark = pytest.mark.vllm
 
 BACKUP = {"hicache.operation": "backup"}
 LOAD_BACK = {"hicache.operation": "load_back"}
+
+
+def attributes(span: ReadableSpan) -> dict[str, Any]:
+    return dict(span.attributes or {})
 
 
 def duration(otel: Sdk, operation: dict[str, str]) -> tuple[float, int]:
@@ -61,16 +68,16 @@ def test_spans_carry_each_transfers_bytes_blocks_and_tokens(instrumented: Sdk) -
 
     backups = instrumented.spans("hicache.backup")
     loads = instrumented.spans("hicache.load_back")
-    assert [s.attributes["hicache.transfer.nodes"] for s in backups] == [1, 3, 5]
-    assert [s.attributes["hicache.transfer.nodes"] for s in loads] == [3, 5]
+    assert [attributes(s)["hicache.transfer.nodes"] for s in backups] == [1, 3, 5]
+    assert [attributes(s)["hicache.transfer.nodes"] for s in loads] == [3, 5]
     for span in backups + loads:
-        blocks = span.attributes["hicache.transfer.nodes"]
-        assert span.attributes["hicache.transfer.byte_count"] == blocks * page
-        assert span.attributes["hicache.transfer.tokens.kv"] == blocks * support.BLOCK_SIZE
-        assert span.start_time <= span.end_time
-    assert sum(s.attributes["hicache.transfer.byte_count"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
-    assert sum(s.attributes["hicache.transfer.byte_count"] for s in loads) == vllm["vllm:kv_offload_load_bytes"]
-    assert sum(s.attributes["hicache.transfer.copy_duration"] for s in backups) == pytest.approx(
+        blocks = attributes(span)["hicache.transfer.nodes"]
+        assert attributes(span)["hicache.transfer.byte_count"] == blocks * page
+        assert attributes(span)["hicache.transfer.tokens.kv"] == blocks * support.BLOCK_SIZE
+        assert span.start_time is not None and span.end_time is not None and span.start_time <= span.end_time
+    assert sum(attributes(s)["hicache.transfer.byte_count"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
+    assert sum(attributes(s)["hicache.transfer.byte_count"] for s in loads) == vllm["vllm:kv_offload_load_bytes"]
+    assert sum(attributes(s)["hicache.transfer.copy_duration"] for s in backups) == pytest.approx(
         vllm["vllm:kv_offload_store_time"], rel=1e-9
     )
     tokens = instrumented.counters()["hicache.transfer.tokens"]
@@ -100,6 +107,30 @@ def test_allocation_failures_are_failed_backups_counted_as_vllm_counts_them(inst
         == stats.reduce()["vllm:kv_offload_allocation_failure"]
         == 2
     )
+
+
+def test_every_target_fits_this_vllm_and_is_patched_with_no_warning(
+    otel: Sdk, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each target's declared shape (a plain function whose leading parameters are the ones its wrapper reads) is
+    vLLM 0.32's: the base's shape check lets every one through, exactly once."""
+    from otel_hicache.integrations.vllm import VLLMOffloadInstrumentor
+    from otel_hicache.integrations.vllm.instrumentor import _TARGETS
+
+    targets = [target for target, *_ in _TARGETS]
+    modules = [importlib.import_module(t.module) for t in targets]
+    holders = [getattr(m, t.owner) if t.owner else m for m, t in zip(modules, targets, strict=True)]
+    originals = [vars(holder)[t.attribute] for holder, t in zip(holders, targets, strict=True)]
+    instrumentor = VLLMOffloadInstrumentor()
+    with caplog.at_level(logging.WARNING, logger="otel_hicache"):
+        instrumentor.instrument(telemetry=otel.telemetry)
+    try:
+        for holder, t, original in zip(holders, targets, originals, strict=True):
+            assert getattr(vars(holder)[t.attribute], "__wrapped__", None) is original, t.name
+    finally:
+        instrumentor.uninstrument()
+    assert [r.getMessage() for r in caplog.records] == []
+    assert [vars(holder)[t.attribute] for holder, t in zip(holders, targets, strict=True)] == originals
 
 
 def test_uninstrument_restores_vllms_classes(instrumented: Sdk) -> None:
@@ -157,8 +188,8 @@ def test_a_store_flushed_at_preemption_is_one_transfer_as_vllm_counts_it(instrum
     assert engine.store("b", [2])
     vllm = engine.vllm_stats()
     backups = instrumented.spans("hicache.backup")
-    assert [s.attributes["hicache.transfer.nodes"] for s in backups] == [2, 1]
-    assert sum(s.attributes["hicache.transfer.byte_count"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
+    assert [attributes(s)["hicache.transfer.nodes"] for s in backups] == [2, 1]
+    assert sum(attributes(s)["hicache.transfer.byte_count"] for s in backups) == vllm["vllm:kv_offload_store_bytes"]
     assert len(backups) == vllm["vllm:kv_offload_store_size_count"]
 
 
@@ -167,7 +198,7 @@ def test_instrumented_with_providers_one_tensor_parallel_rank_reports_tokens(ran
     """The telemetry is built at the first record, when the worker's rank is known: bytes on every rank, tokens on
     rank 0 only (they are the same logical tokens on every rank)."""
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
     from opentelemetry.sdk.trace import TracerProvider
 
     from otel_hicache.integrations.vllm import VLLMOffloadInstrumentor
@@ -184,10 +215,11 @@ def test_instrumented_with_providers_one_tensor_parallel_rank_reports_tokens(ran
         assert instrumentor.telemetry is not None
         instrumentor.telemetry.flush()
         data = reader.get_metrics_data()
+        assert data is not None
         metrics = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
         stored = sum(
             p.value for p in metrics["hicache.transfer.size"].data.data_points
-            if p.attributes["hicache.operation"] == "backup"
+            if isinstance(p, NumberDataPoint) and dict(p.attributes or {})["hicache.operation"] == "backup"
         )  # fmt: skip
         assert stored == vllm["vllm:kv_offload_store_bytes"] > 0
         assert ("hicache.transfer.tokens" in metrics) is reports_tokens
@@ -218,8 +250,8 @@ def test_a_hybrid_models_tokens_count_every_kv_group_in_its_pool_whatever_vllms_
         assert tokens[(operation, "kv")] == 5 * support.BLOCK_SIZE
         assert tokens[(operation, "swa")] == 2 * support.BLOCK_SIZE
     for span in instrumented.spans("hicache.backup") + instrumented.spans("hicache.load_back"):
-        assert span.attributes["hicache.transfer.tokens.kv"] == 5 * support.BLOCK_SIZE
-        assert span.attributes["hicache.transfer.tokens.swa"] == 2 * support.BLOCK_SIZE
-        assert span.attributes["hicache.transfer.nodes"] == 7  # blocks of every group
+        assert attributes(span)["hicache.transfer.tokens.kv"] == 5 * support.BLOCK_SIZE
+        assert attributes(span)["hicache.transfer.tokens.swa"] == 2 * support.BLOCK_SIZE
+        assert attributes(span)["hicache.transfer.nodes"] == 7  # blocks of every group
     assert size(instrumented, BACKUP) == vllm["vllm:kv_offload_store_bytes"] == 7 * support.ATTENTION.page_size_bytes
     assert size(instrumented, LOAD_BACK) == vllm["vllm:kv_offload_load_bytes"]

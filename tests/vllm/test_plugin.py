@@ -1,5 +1,5 @@
-"""The ``vllm.general_plugins`` entry point in a vLLM process: naming it in ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS``
-turns it off. (What the plugin exports from a real engine's processes, tagged ``hicache.engine=vllm`` and with
+"""The ``vllm.general_plugins`` entry point in a vLLM process: naming it in ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS``,
+or ``*``, turns it off. (What the plugin exports from a real engine's processes, tagged ``hicache.engine=vllm`` and with
 their ranks, is in tests/vllm/test_real_offline.py and tests/vllm/test_real_server.py.)"""
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def run_app(receiver: OtlpReceiver, *args: str, **env: str) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_naming_the_entry_point_in_otel_python_disabled_instrumentations_turns_the_plugin_off() -> None:
+@pytest.mark.parametrize("disabled", ["flask,vllm_kv_offload", "*"])
+def test_naming_the_entry_point_in_otel_python_disabled_instrumentations_turns_the_plugin_off(disabled: str) -> None:
     with OtlpReceiver() as receiver:
-        run_app(receiver, OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="flask,vllm_kv_offload")
+        run_app(receiver, OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=disabled)
         assert not receiver.metric_requests and not receiver.spans()

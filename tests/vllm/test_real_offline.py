@@ -56,6 +56,7 @@ class Run:
     pid: int  # the LLM's (main) process
     requests: list[dict[str, Any]]
     vllm: dict[str, float]  # vLLM's metrics at the end
+    log: str  # what its processes wrote (stdout and stderr)
 
     def vllm_total(self, name: str, **labels: str) -> float:
         return vllm_total(self.vllm, name, **labels)
@@ -71,8 +72,9 @@ def offline(tiny_model: Path) -> Iterator[Run]:
     with OtlpReceiver() as receiver:
         env = environment(**otlp_environment(receiver, "vllm-offline"))
         requests = ",".join(map(str, REQUESTS))
-        out = result(run_offline(tiny_model, env, "--cpu-chunks", str(CPU_CHUNKS), "--requests", requests))
-        run = Run(Exported(receiver), out["pid"], out["requests"], out["metrics"])
+        log = run_offline(tiny_model, env, "--cpu-chunks", str(CPU_CHUNKS), "--requests", requests)
+        out = result(log)
+        run = Run(Exported(receiver), out["pid"], out["requests"], out["metrics"], log)
         # the engine's processes export their last window as they end
         assert run.exported.wait(
             lambda: holds_what_vllm_counted(run.exported, run.vllm) and run.exported.total("hicache.pool.limit") > 0,
@@ -170,3 +172,8 @@ def test_vllm_loads_the_plugin_in_its_engine_core_and_worker_which_report_as_vll
     assert {r["hicache.engine"] for r in resources.values()} == {"vllm"}
     assert {r["service.name"] for r in resources.values()} == {"vllm-offline"}
     assert resources[worker]["hicache.rank.tp"] == 0
+
+
+def test_every_target_fits_this_vllm_in_each_of_its_processes_and_nothing_of_ours_failed(offline: Run) -> None:
+    """No process warned of a target left unpatched, a module missing or a hook of ours that failed."""
+    assert [line for line in offline.log.splitlines() if "otel_hicache: " in line] == []

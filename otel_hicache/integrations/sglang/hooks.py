@@ -41,7 +41,15 @@ from typing import Any, SupportsIndex, cast
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from opentelemetry.trace import Span, SpanContext
 
-from otel_hicache.integrations._base import ProcessSink, Ranks, WeakPoolSource, checks_suppression, hook_failed, trim
+from otel_hicache.integrations._base import (
+    EngineHooks,
+    ProcessSink,
+    Ranks,
+    WeakPoolSource,
+    checks_suppression,
+    hook_failed,
+    trim,
+)
 from otel_hicache.integrations._base import warn_once as _warn_once
 from otel_hicache.records import (
     DropRecord,
@@ -233,7 +241,7 @@ class AckReporter:
                     waits(KvWait(Tier.HOST, (done_ns - linked_ns) / 1e9, done_ns + epoch), span)
 
 
-class HiCacheHooks:
+class HiCacheHooks(EngineHooks):
     """The wrapper callables (wrapt signature ``(wrapped, instance, args, kwargs)``) reporting through one
     :class:`~.._base.ProcessSink`.
 
@@ -244,8 +252,7 @@ class HiCacheHooks:
     """
 
     def __init__(self, sink: ProcessSink, ranks: Callable[[], Ranks] | None = None) -> None:
-        self.sink = sink
-        self._ranks = ranks
+        super().__init__(sink, ranks)
         # Per-controller request links live on the controller itself (one attribute read); the weak dictionary is
         # only the fallback for a controller that takes no new attributes.
         self._attr = f"_otel_hicache_links_{id(self):x}"
@@ -262,15 +269,6 @@ class HiCacheHooks:
         self._clock = _AccessClock()  # SGLang's access counter -> time, for the age of evicted nodes
         self._check: CountersCheck | None = None  # the self-check against SGLang's own collector
         self._incomparable = False  # a cache counts into no collector, or into another: no self-check
-
-    @property
-    def telemetry(self) -> HiCacheTelemetry | None:
-        """The process's telemetry, once built."""
-        return self.sink.telemetry
-
-    def _sink(self) -> HiCacheTelemetry | None:
-        """The telemetry, built now if this is the process's first HiCache event."""
-        return self.sink.get(self._ranks)
 
     def _links(self, controller: Any) -> dict[str, _Links]:
         """``controller``'s request links, per direction (a load-back's request is never linked to a backup)."""

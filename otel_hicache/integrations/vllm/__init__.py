@@ -69,6 +69,6 @@ Not reported: vLLM's lookup delays (``vllm:kv_offload_lookup_*_delay_seconds``: 
 Patching and failure rules are those of every adapter (:mod:`otel_hicache.integrations._base`).
 """
 
-from otel_hicache.integrations.vllm.instrumentor import EnvironmentSinks, VLLMOffloadInstrumentor
+from otel_hicache.integrations.vllm.instrumentor import VLLMOffloadInstrumentor
 
-__all__ = ["EnvironmentSinks", "VLLMOffloadInstrumentor"]
+__all__ = ["VLLMOffloadInstrumentor"]

@@ -19,9 +19,10 @@ import time
 import weakref
 from array import array
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from otel_hicache.integrations.vllm.hooks import Hooks
+from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, WeakPoolSource
 from otel_hicache.records import EvictedEntry, EvictionRecord, PoolUsage
 from otel_hicache.semconv import DEFAULT_POOL, Tier, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
@@ -63,35 +64,32 @@ class _CpuTier:
         )
 
 
-class CpuTierHooks(Hooks):
+class CpuTierHooks(EngineHooks):
     """The wrappers of vLLM's CPU spec and manager."""
 
-    def __init__(self, sinks: Any, fail: Callable[[str], None]) -> None:
-        super().__init__(sinks, fail)
+    def __init__(self, sink: ProcessSink, ranks: Callable[[Any], Ranks]) -> None:
+        super().__init__(sink, ranks)
         self._tiers: weakref.WeakKeyDictionary[Any, _CpuTier] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def get_manager(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``CPUOffloadingSpec.get_manager``: report the CPU tier of the manager it built, from now on."""
         manager = wrapped(*args, **kwargs)
-        try:
+        with self._lock:
+            new = manager not in self._tiers
+        sink = self._sink(instance) if new else None
+        if sink is not None:
+            config = instance.config
+            tokens_per_chunk = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
+            copies = 1 if instance.replicated_layout else config.parallel.world_size
+            chunk_bytes = (
+                config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk * copies
+                if len(config.groups) == 1
+                else 0
+            )
             with self._lock:
-                new = manager not in self._tiers
-            sink = self.sinks.for_spec(instance) if new else None
-            if sink is not None:
-                config = instance.config
-                tokens_per_chunk = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
-                copies = 1 if instance.replicated_layout else config.parallel.world_size
-                chunk_bytes = (
-                    config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk * copies
-                    if len(config.groups) == 1
-                    else 0
-                )
-                with self._lock:
-                    self._tiers[manager] = _CpuTier(sink, manager._num_chunks, tokens_per_chunk, chunk_bytes)
-                sink.add_pool_usage_source(_CpuTierSource(manager, tokens_per_chunk, sink))
-        except Exception:
-            self._fail("get_manager")
+                self._tiers[manager] = _CpuTier(sink, manager._num_chunks, tokens_per_chunk, chunk_bytes)
+            sink.add_pool_usage_source(WeakPoolSource(manager, partial(_cpu_tier_usage, tokens_per_chunk), sink))
         return manager
 
     def prepare_store(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -106,16 +104,13 @@ class CpuTierHooks(Hooks):
             result = wrapped(*args, **kwargs)
         finally:
             entries, tier.evicting = tier.evicting, None
-        try:
-            evicted = len(result.evicted_keys) if result is not None else 0
-            if evicted:
-                duration = time.perf_counter() - start
-                tokens = evicted * tier.tokens_per_chunk
-                tier.sink.record_eviction(EvictionRecord(Tier.HOST, tokens, duration, now_ns(), entries[:evicted]))
-            if result is not None:
-                tier.used(result.store_spec.block_ids, _WRITTEN, time.monotonic_ns())
-        except Exception:
-            self._fail("prepare_store")
+        evicted = len(result.evicted_keys) if result is not None else 0
+        if evicted:
+            duration = time.perf_counter() - start
+            tokens = evicted * tier.tokens_per_chunk
+            tier.sink.record_eviction(EvictionRecord(Tier.HOST, tokens, duration, now_ns(), entries[:evicted]))
+        if result is not None:
+            tier.used(result.store_spec.block_ids, _WRITTEN, time.monotonic_ns())
         return result
 
     def free_chunk(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -123,11 +118,8 @@ class CpuTierHooks(Hooks):
         tier = self._tiers.get(instance)
         evicting = tier.evicting if tier is not None else None
         if evicting is not None:
-            try:
-                chunk = args[0] if args else kwargs["chunk"]
-                evicting.append(tier.evicted(int(chunk.chunk_id), time.monotonic_ns()))  # type: ignore[union-attr]
-            except Exception:
-                self._fail("_free_chunk")
+            chunk = args[0] if args else kwargs["chunk"]
+            evicting.append(tier.evicted(int(chunk.chunk_id), time.monotonic_ns()))  # type: ignore[union-attr]
         return wrapped(*args, **kwargs)
 
     def prepare_load(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -135,10 +127,7 @@ class CpuTierHooks(Hooks):
         result = wrapped(*args, **kwargs)
         tier = self._tiers.get(instance)
         if tier is not None:
-            try:
-                tier.used(result.block_ids, _READ, time.monotonic_ns())
-            except Exception:
-                self._fail("prepare_load")
+            tier.used(result.block_ids, _READ, time.monotonic_ns())
         return result
 
 
@@ -146,21 +135,14 @@ def _ids(chunk_ids: Any) -> list[int]:
     return [int(c) for c in (chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else chunk_ids)]
 
 
-class _CpuTierSource:
+def _cpu_tier_usage(tokens_per_chunk: int, manager: Any) -> list[PoolUsage]:
     """The CPU tier's chunks holding KV (cached or in flight) and its capacity, in tokens, read at collection."""
-
-    __slots__ = ("__weakref__", "_manager", "_telemetry", "_tokens_per_chunk")
-
-    def __init__(self, manager: Any, tokens_per_chunk: int, telemetry: HiCacheTelemetry) -> None:
-        self._manager = weakref.ref(manager)
-        self._tokens_per_chunk = tokens_per_chunk
-        self._telemetry = telemetry
-
-    def __call__(self) -> list[PoolUsage]:
-        manager = self._manager()
-        if manager is None:  # the manager is gone: stop reporting it
-            self._telemetry.remove_pool_usage_source(self)
-            return []
-        held = manager._num_allocated_chunks - len(manager._free_list)
-        per = self._tokens_per_chunk
-        return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=held * per, limit=manager._num_chunks * per)]
+    held = manager._num_allocated_chunks - len(manager._free_list)
+    return [
+        PoolUsage(
+            tier=Tier.HOST,
+            pool=DEFAULT_POOL,
+            used=held * tokens_per_chunk,
+            limit=manager._num_chunks * tokens_per_chunk,
+        )
+    ]

@@ -1,5 +1,5 @@
 """The wrapt wrappers around vLLM's KV offloading connector: transfers and failures (the CPU tier's wrappers are in
-:mod:`.cpu_tier`, the requests' in :mod:`.per_request`; what they share, :class:`Hooks`, is here).
+:mod:`.cpu_tier`, the requests' in :mod:`.per_request`; what they share is :class:`~.._base.EngineHooks`).
 
 Worker side (one process per GPU worker): a transfer is noted when vLLM's ``OffloadingConnectorWorker`` submits it
 (job id, direction, GPU blocks, the request span it serves) and reported when its ``get_finished`` consumes the
@@ -21,25 +21,24 @@ on the worker's own thread, so the pair is consistent; the telemetry's engine ch
 drifted apart since the last report (``otel_hicache.engine.mismatch``, one warning): an adapter that undercounts after
 a vLLM change says so.
 
-Failure rule: our code never raises into vLLM. If a wrapper's own code fails it logs once per hook and vLLM's call
-goes on untouched; vLLM's method is called exactly once and an exception it raises propagates unchanged. What vLLM
-had counted before it raised part-way through ``get_finished`` is still reported. Nothing here synchronises a device:
-the duration is the one vLLM's worker measured.
+Failure rule (:mod:`.._base`): our code never raises into vLLM nor changes its exception; a failure is logged once.
+What vLLM had counted before it raised part-way through ``get_finished`` is still reported. Nothing here synchronises
+a device: the duration is the one vLLM's worker measured.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE, group_pool
+from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, trim
+from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE, LINKS, group_pool
 from otel_hicache.records import TransferFailure, TransferRecord
 from otel_hicache.semconv import (
     DEFAULT_POOL,
@@ -51,36 +50,8 @@ from otel_hicache.semconv import (
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import now_ns
 
-_log = logging.getLogger(__name__)
-
-#: Submitted transfers remembered per connector; beyond this the oldest are forgotten (a job vLLM never reports
-#: finished must not grow memory without bound).
-MAX_PENDING = 4096
 #: vLLM's ``OffloadingWorker`` that times each transfer with device events (``torch.Event`` on the transfer stream).
 _DEVICE_TIMED_WORKERS = frozenset({"vllm.v1.kv_offload.cpu.gpu_worker.CPUOffloadingWorker"})
-
-
-class Sinks(Protocol):
-    """Where a process's records go: ``for_spec(spec)`` is the sink for what is built from ``spec`` (an
-    ``OffloadingSpec``; ``None`` where the caller has none: the process's sink so far), or ``None`` when this process
-    reports nothing."""
-
-    def for_spec(self, spec: Any) -> HiCacheTelemetry | None: ...
-
-
-class FixedSink:
-    """Every record to one :class:`HiCacheTelemetry` (``instrument(telemetry=... / providers)``)."""
-
-    def __init__(self, telemetry: HiCacheTelemetry) -> None:
-        self.telemetry = telemetry
-
-    def for_spec(self, spec: Any) -> HiCacheTelemetry | None:
-        return self.telemetry
-
-
-#: The attribute of vLLM's connector metadata that carries, per job, the context of the request span it serves
-#: (trace id, span id, flags) from the scheduler to the workers (see :mod:`.per_request`).
-LINKS = "_otel_hicache_links"
 
 
 class _Pending(NamedTuple):
@@ -195,37 +166,12 @@ def _time_difference(ours: float, theirs: float) -> float:
     return 0.0 if abs(difference) <= 1e-9 * max(1.0, abs(ours)) else difference
 
 
-class Failures:
-    """The one-time log of a hook whose own code failed (vLLM's call goes on untouched)."""
+class OffloadHooks(EngineHooks):
+    """The wrappers of vLLM's offloading connector: transfers in the workers, allocation failures in the scheduler.
+    The rank rule is ``ranks(spec)`` (an ``OffloadingSpec``; ``None`` on the scheduler side)."""
 
-    def __init__(self) -> None:
-        self._failed: set[str] = set()
-
-    def __call__(self, hook: str) -> None:
-        if hook not in self._failed:
-            self._failed.add(hook)
-            _log.warning(
-                "otel_hicache: the vLLM %s hook failed; vLLM runs unchanged, this hook's telemetry may be incomplete. "
-                "Further failures of this hook are not logged.",
-                hook,
-                exc_info=True,
-            )
-
-
-class Hooks:
-    """What every group of wrappers (wrapt signature ``(wrapped, instance, args, kwargs)``) shares: the process's
-    :class:`Sinks` and the one-time log of a failed hook."""
-
-    def __init__(self, sinks: Sinks, fail: Callable[[str], None]) -> None:
-        self.sinks = sinks
-        self._fail = fail
-
-
-class OffloadHooks(Hooks):
-    """The wrappers of vLLM's offloading connector: transfers in the workers, allocation failures in the scheduler."""
-
-    def __init__(self, sinks: Sinks, fail: Callable[[str], None]) -> None:
-        super().__init__(sinks, fail)
+    def __init__(self, sink: ProcessSink, ranks: Callable[[Any], Ranks]) -> None:
+        super().__init__(sink, ranks)
         self._attr = f"_otel_hicache_jobs_{id(self):x}"
         self._finishing = threading.local()  # the events of the get_finished call running on this thread
 
@@ -233,7 +179,7 @@ class OffloadHooks(Hooks):
         state = getattr(worker, self._attr, None)
         if state is None:
             spec = worker.spec
-            state = _Connector(self.sinks.for_spec(spec), _groups(spec, worker.kv_cache_config))
+            state = _Connector(self._sink(spec), _groups(spec, worker.kv_cache_config))
             setattr(worker, self._attr, state)
             if state.sink is not None:
                 state.sink.add_engine_check(_TransferCheck(state, state.sink))
@@ -243,34 +189,25 @@ class OffloadHooks(Hooks):
     def prepare_store_kv(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """Stores are queued here and submitted at the start of the next step; note their blocks now."""
         result = wrapped(*args, **kwargs)
-        try:
-            if instance._is_store_writer:
-                metadata = args[0] if args else kwargs["metadata"]
-                self._note(instance, TransferOperation.BACKUP, metadata.store_jobs, 0, metadata)
-        except Exception:
-            self._fail("prepare_store_kv")
+        if instance._is_store_writer:
+            metadata = args[0] if args else kwargs["metadata"]
+            self._note(instance, TransferOperation.BACKUP, metadata.store_jobs, 0, metadata)
         return result
 
     def handle_preemptions(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """Submits queued stores and the ones a preemption flushes: their submission time is now."""
-        try:
-            metadata = args[0] if args else kwargs["kv_connector_metadata"]
-            if instance._is_store_writer and metadata.jobs_to_flush:
-                flushed = {j: metadata.store_jobs[j] for j in metadata.jobs_to_flush if j in metadata.store_jobs}
-                self._note(instance, TransferOperation.BACKUP, flushed, now_ns(), metadata)
-            self._submitted(instance)
-        except Exception:
-            self._fail("handle_preemptions")
+        metadata = args[0] if args else kwargs["kv_connector_metadata"]
+        if instance._is_store_writer and metadata.jobs_to_flush:
+            flushed = {j: metadata.store_jobs[j] for j in metadata.jobs_to_flush if j in metadata.store_jobs}
+            self._note(instance, TransferOperation.BACKUP, flushed, now_ns(), metadata)
+        self._submitted(instance)
         return wrapped(*args, **kwargs)
 
     def start_kv_transfers(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """Submits queued stores and this step's loads."""
-        try:
-            metadata = args[0] if args else kwargs["metadata"]
-            self._submitted(instance)
-            self._note(instance, TransferOperation.LOAD_BACK, metadata.load_jobs, now_ns(), metadata)
-        except Exception:
-            self._fail("start_kv_transfers")
+        metadata = args[0] if args else kwargs["metadata"]
+        self._submitted(instance)
+        self._note(instance, TransferOperation.LOAD_BACK, metadata.load_jobs, now_ns(), metadata)
         return wrapped(*args, **kwargs)
 
     def _note(self, instance: Any, operation: TransferOperation, jobs: Any, submit_ns: int, metadata: Any) -> None:
@@ -289,8 +226,7 @@ class OffloadHooks(Hooks):
             served = links.get(job_id)
             link = () if served is None else (_span_context(*served),)
             pending[job_id] = _Pending(operation, tokens, blocks, submit_ns, link)
-        while len(pending) > MAX_PENDING:
-            del pending[next(iter(pending))]
+        trim(pending)
 
     def _submitted(self, instance: Any) -> None:
         """Stamp the stores vLLM is about to submit (``_unsubmitted_store_jobs``) with the submission time."""
@@ -314,26 +250,25 @@ class OffloadHooks(Hooks):
         finally:
             self._finishing.events = outer
             if events:
-                try:
-                    self._report(instance, events)
-                except Exception:
-                    self._fail("get_finished")
+                self._report(instance, events)
 
     def transfer_stats_record(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``DirectionalTransferStats.record(num_bytes, time)``: vLLM counting one timed result (noted once vLLM's
         call returned, so what vLLM refused is not reported either)."""
-        result = wrapped(*args, **kwargs)
-        events = getattr(self._finishing, "events", None)
-        if events is not None:
-            events.append(_Measured(args, kwargs))
-        return result
+        return self._noted(_Measured, wrapped, args, kwargs)
 
     def mark_completed(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingWorkerMetadata.mark_completed(job_id)``: the result's job is done."""
+        return self._noted(_Completed, wrapped, args, kwargs)
+
+    def _noted(
+        self, event: type[_Measured | _Completed], wrapped: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
+        """Call vLLM's method; once it returned, note the call for the ``get_finished`` running on this thread."""
         result = wrapped(*args, **kwargs)
         events = getattr(self._finishing, "events", None)
         if events is not None:
-            events.append(_Completed(args, kwargs))
+            events.append(event(args, kwargs))
         return result
 
     def _report(self, instance: Any, events: list[_Measured | _Completed]) -> None:
@@ -351,43 +286,33 @@ class OffloadHooks(Hooks):
             if isinstance(event, _Measured):
                 measured = event
                 continue
-            try:  # one result's odd arguments never cost the others
-                entry = state.pending.pop(_job_id(*event.args, **event.kwargs), None)
-                if entry is not None:
-                    sizes = None if measured is None else _stats_arguments(*measured.args, **measured.kwargs)
-                    record = _record(entry, sizes, done_ns, state.worker_timing)
-                    sink.record_transfer(record)
-                    state.tally(record)
-            except Exception:
-                self._fail("get_finished")
+            entry = state.pending.pop(_job_id(*event.args, **event.kwargs), None)
+            if entry is not None:
+                sizes = None if measured is None else _stats_arguments(*measured.args, **measured.kwargs)
+                record = _record(entry, sizes, done_ns, state.worker_timing)
+                sink.record_transfer(record)
+                state.tally(record)
             measured = None
 
     def build_connector_worker_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingConnectorWorker.build_connector_worker_meta``: vLLM hands what it counted since the last call
         to the scheduler; the self-check's consistent point."""
         meta = wrapped(*args, **kwargs)
-        try:
-            state = self._connector(instance)
-            if state.sink is not None and meta is not None:
-                state.handed_over(meta.transfer_stats)
-        except Exception:
-            self._fail("build_connector_worker_meta")
+        state = self._connector(instance)
+        if state.sink is not None and meta is not None:
+            state.handed_over(meta.transfer_stats)
         return meta
 
     # ------------------------------------------------------------------ scheduler side
     def increase_counter(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingConnectorStats.increase_counter``: each allocation failure is one failed backup."""
         result = wrapped(*args, **kwargs)
-        try:
-            name, count = _counter_arguments(*args, **kwargs)
-            if name == ALLOCATION_FAILURE and count > 0:
-                sink = self.sinks.for_spec(None)
-                if sink is not None:
-                    failure = TransferFailure(TransferOperation.BACKUP, "host_pool_full", {DEFAULT_POOL: 0}, now_ns())
-                    for _ in range(int(count)):
-                        sink.record_failure(failure)
-        except Exception:
-            self._fail("increase_counter")
+        name, count = _counter_arguments(*args, **kwargs)
+        sink = self._sink(None) if name == ALLOCATION_FAILURE and count > 0 else None
+        if sink is not None:
+            failure = TransferFailure(TransferOperation.BACKUP, "host_pool_full", {DEFAULT_POOL: 0}, now_ns())
+            for _ in range(int(count)):
+                sink.record_failure(failure)
         return result
 
 

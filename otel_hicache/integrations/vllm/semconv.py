@@ -41,6 +41,10 @@ def group_pool(kind: str, is_eagle_group: bool, role: str) -> str:
     return GROUP_POOLS.get(kind, kind)
 
 
+#: The attribute of vLLM's connector metadata that carries, per job, the context of the request span it serves
+#: (trace id, span id, flags) from the scheduler to the workers (see :mod:`.per_request`).
+LINKS: Final = "_otel_hicache_links"
+
 #: vLLM's own allocation-failure counter (``OffloadingConnectorStats`` key): each increment is one store that found
 #: no room in the CPU tier.
 ALLOCATION_FAILURE: Final = "vllm:kv_offload_allocation_failure"
