@@ -86,6 +86,7 @@ def test_receiver_restart_cumulative_totals_recover_and_lost_spans_are_counted(
         rx.start()  # same ports
         for _ in range(5):
             setup.telemetry.record_transfer(record())
+
         # cumulative: right again at the first export that gets through (gRPC reconnects with a backoff)
         def flushed_and_all_there() -> bool:
             setup.force_flush(timeout_s=2)

@@ -300,6 +300,7 @@ def test_a_slow_pool_source_or_span_processor_never_stretches_flush_or_shutdown_
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(Slow()))
     telemetry = HiCacheTelemetry(provider, flush_interval_s=3600)
+
     def slow_source() -> list[PoolUsage]:
         time.sleep(10)
         return []

@@ -175,11 +175,14 @@ def test_round_trip_matches_sglang_metrics_and_acks(policy: str, instrumented: S
     spans = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.BACKUP]) + instrumented.spans(
         sc.SPAN_NAMES[sc.TransferOperation.LOAD_BACK]
     )
+
+    def per_pool_tokens(span: Any) -> list[tuple[str, Any]]:
+        prefix = f"{sc.ATTR_POOL_TOKENS}."
+        return sorted((k.rsplit(".", 1)[1], v) for k, v in attributes_of(span).items() if k.startswith(prefix))
+
     from_spans = sorted(
-        (sorted((k.rsplit(".", 1)[1], v) for k, v in attributes_of(s).items() if k.startswith(f"{sc.ATTR_POOL_TOKENS}.")),
-         attributes_of(s)[sc.ATTR_BYTES], attributes_of(s)[sc.ATTR_NODES])
-        for s in spans
-    )  # fmt: skip
+        (per_pool_tokens(s), attributes_of(s)[sc.ATTR_BYTES], attributes_of(s)[sc.ATTR_NODES]) for s in spans
+    )
     from_acks = sorted((sorted(a.num_tokens_by_pool.items()), a.num_bytes, len(a.node_ids)) for a in acks)
     assert from_spans == from_acks
     for span in spans:  # CPU events cannot time: no duration rather than a made-up one
