@@ -39,8 +39,8 @@ from benchmarks.ackpath import (
     SyntheticAckPath,
 )
 from otel_hicache import semconv as sc
+from otel_hicache._internal.worker import DEFERRED_TICK_S, HOST_THREAD_NAME
 from otel_hicache.sdk import configure
-from otel_hicache.telemetry import DEFERRED_TICK_S, HOST_THREAD_NAME
 from otel_hicache.timing import make_timing_event_pair
 
 _SPAN_NAMES = frozenset(sc.SPAN_NAMES.values())
@@ -162,7 +162,8 @@ class _RoundTimer:
 
     def __init__(self, telemetry: Any) -> None:
         self.rounds: list[tuple[int, int, int]] = []  # (CPU, wall, CPU in collections)
-        work, rounds = telemetry._work, self.rounds
+        host = telemetry._host  # the telemetry's HostWorker: its thread calls host.work(state) each round
+        work, rounds = host.work, self.rounds
         wall, cpu = time.perf_counter_ns, time.thread_time_ns
         collected = self._collected = [0, 0]  # host-thread CPU in collections so far, start of the current one
 
@@ -173,7 +174,7 @@ class _RoundTimer:
             finally:
                 rounds.append((cpu() - c0, wall() - w0, collected[0] - g0))
 
-        telemetry._work = timed
+        host.work = timed
         gc.callbacks.append(self._on_collection)
 
     def _on_collection(self, phase: str, info: dict[str, int]) -> None:

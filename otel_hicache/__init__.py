@@ -35,7 +35,9 @@ that: vLLM loads this package's ``vllm.general_plugins`` entry point itself (see
 Modules: :mod:`~otel_hicache.semconv` (every engine-neutral name), :mod:`~otel_hicache.timing`,
 :mod:`~otel_hicache.records`, :mod:`~otel_hicache.telemetry`, :mod:`~otel_hicache.sdk`;
 :mod:`~otel_hicache.integrations` (engine adapters), :mod:`~otel_hicache.cache` (a reference tiered cache),
-:mod:`~otel_hicache.testing` (helpers for tests and benchmarks).
+:mod:`~otel_hicache.testing` (helpers of the tests and benchmarks in a clone; not in the wheel). The pipeline's
+mechanism lives in :mod:`otel_hicache._internal`, behind :mod:`~otel_hicache.telemetry` and :mod:`~otel_hicache.sdk`.
+The core needs the OTel packages and wrapt only; ``otel-hicache demo`` and the reference cache need the ``demo`` extra.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -10,8 +10,10 @@ The demo has no model, so it cannot time a prefill: loading versus recomputing i
 per token the operator gives (``--prefill-seconds-per-token``, e.g. from ``hicache:engine_prefill_seconds_per_token:
 rate5m`` on a real engine); without it the summary shows the load seconds per token and says what is missing.
 
-Exit status: 0 done, 1 the run failed, 2 bad arguments or configuration (flags or ``OTEL_*`` variables), 130
-interrupted. Computing the summary lives in :mod:`otel_hicache.summary`; this module only prints it.
+Exit status: 0 done, 1 the run failed, 2 bad arguments or configuration (flags or ``OTEL_*`` variables) or the
+``demo`` extra not installed, 130 interrupted. Computing the summary lives in :mod:`otel_hicache.summary`; this
+module only prints it. The command is ``otel-hicache`` (:mod:`otel_hicache.__main__`), which needs the ``demo``
+extra.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import click
 from otel_hicache import __version__
 from otel_hicache import semconv as sc
 from otel_hicache.config import PROTOCOLS, ConfigError, check_host, check_url, validate
+from otel_hicache.package import DEMO_MODULES, demo_missing
 
 if TYPE_CHECKING:  # the OTel SDK is imported only after the OTEL_* variables are checked (it reads some on import)
     from otel_hicache.cache.demo import DemoResult
@@ -174,11 +177,13 @@ def demo(
             _check_storage_dir(storage_dir)
     except ConfigError as exc:
         raise ConfigProblem(str(exc)) from None
-    torch_device = _pick_device(device)
     try:
         from otel_hicache.cache.demo import DEMO_POOLS, run_demo
-    except ImportError as exc:  # a broken install, not a user error
-        raise click.ClickException(f"the reference cache is not available: {exc}") from exc
+    except ImportError as exc:
+        if exc.name in DEMO_MODULES:  # the demo extra is not installed
+            raise ConfigProblem(demo_missing(exc.name)) from None
+        raise click.ClickException(f"the reference cache is not available: {exc}") from exc  # a broken install
+    torch_device = _pick_device(device)
     # This process is the application: it turns the SDK's own pipeline metrics on (configure() never changes the
     # environment; the export process turns them on in its own)
     os.environ.setdefault("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")

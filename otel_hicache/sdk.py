@@ -4,7 +4,7 @@
 
 * **OTLP** when an endpoint is configured (``OTEL_EXPORTER_OTLP_ENDPOINT`` or the per-signal
   ``..._TRACES_ENDPOINT`` / ``..._METRICS_ENDPOINT``, or ``endpoint=``): the telemetry's spans and metrics are built
-  and exported by its export process (:mod:`otel_hicache.export_process`); this process runs no exporter, span
+  and exported by its export process (:mod:`otel_hicache._internal.export_process`); this process runs no exporter, span
   processor or metric reader of ours. ``OTEL_EXPORTER_OTLP_PROTOCOL`` (``grpc`` or ``http/protobuf``) picks the
   exporter; headers, TLS (``..._CERTIFICATE``, ``..._INSECURE``), compression and timeouts come from the same
   variables.
@@ -37,99 +37,53 @@ reuse that setup, or shut it down first.
 from __future__ import annotations
 
 import atexit
-import collections
 import functools
 import logging
 import os
-import socket
-import sys
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from opentelemetry import metrics, trace
-from opentelemetry.sdk.metrics import (
-    AlwaysOffExemplarFilter,
-    AlwaysOnExemplarFilter,
-    MeterProvider,
-    TraceBasedExemplarFilter,
-)
-from opentelemetry.sdk.metrics.export import (
-    ConsoleMetricExporter,
-    InMemoryMetricReader,
-    MetricReader,
-    PeriodicExportingMetricReader,
-)
-from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
-from opentelemetry.sdk.resources import (
-    SERVICE_INSTANCE_ID,
-    SERVICE_NAME,
-    SERVICE_NAMESPACE,
-    TELEMETRY_SDK_LANGUAGE,
-    TELEMETRY_SDK_NAME,
-    TELEMETRY_SDK_VERSION,
-    Resource,
-)
-from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider, sampling
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-    SpanExporter,
-    SpanExportResult,
-)
-from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.sdk.version import __version__ as sdk_version
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, SERVICE_NAMESPACE, Resource
 
 from otel_hicache import semconv as sc
-from otel_hicache.channel import Channel
-from otel_hicache.config import DEFAULT_CARDINALITY_LIMIT, ConfigError, Settings, SignalSettings, key_values, validate
-from otel_hicache.export_process import ExportProcess
+from otel_hicache._internal.export_process import ExportProcess
+from otel_hicache._internal.plan import ExportPlan
+from otel_hicache._internal.providers import (
+    DEFAULT_SERVICE_NAME,
+    MetricsSide,
+    RecentSpans,
+    TracesSide,
+    bounded,
+    build,
+    build_resource,
+    in_process,
+    metrics_side,
+    shutdown_provider,
+    traces_side,
+    views,
+)
+from otel_hicache.config import DEFAULT_CARDINALITY_LIMIT, NONE, ConfigError, Settings, key_values, validate
 from otel_hicache.telemetry import HiCacheTelemetry
 
-DEFAULT_SERVICE_NAME = "otel-hicache"
+__all__ = [
+    "DEFAULT_SERVICE_NAME",
+    "ConfigError",
+    "RecentSpans",
+    "TelemetrySetup",
+    "build_resource",
+    "configure",
+    "views",
+]
+
 #: The most ``TelemetrySetup.shutdown()`` (and the exit of a process that never called it) takes by default.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 2.0
 _INTERNAL_METRICS_ENV = "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED"
 _log = logging.getLogger(__name__)
-
-
-class RecentSpans(SpanExporter):
-    """Keeps the latest ``maxlen`` finished spans in memory (the embedded default's trace store) and counts all."""
-
-    def __init__(self, maxlen: int = 2048) -> None:
-        # No lock: deque.extend and deque.copy are atomic under the GIL, and a lock could be inherited held by fork.
-        self._spans: collections.deque[ReadableSpan] = collections.deque(maxlen=maxlen)
-        self.total = 0
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self._spans.extend(spans)
-        self.total += len(spans)  # one exporting thread (the span processor's)
-        return SpanExportResult.SUCCESS
-
-    def spans(self) -> list[ReadableSpan]:
-        return list(self._spans.copy())
-
-    def shutdown(self) -> None:
-        return None
-
-
-class _Metrics(NamedTuple):
-    meter_provider: MeterProvider
-    memory_reader: InMemoryMetricReader | None
-    prometheus_address: tuple[str, int] | None
-    closers: list[Any]
-    push_readers: list[MetricReader]
-
-
-class _Traces(NamedTuple):
-    tracer_provider: TracerProvider
-    recent_spans: RecentSpans | None
-    span_exporter: SpanExporter | None  # the OTLP span exporter a ``collect`` processor's owner drives itself
 
 
 class TelemetrySetup:
@@ -148,13 +102,13 @@ class TelemetrySetup:
         self,
         telemetry: HiCacheTelemetry,
         mode: str,
-        sides: tuple[_Metrics, _Traces] | None = None,
+        sides: tuple[MetricsSide, TracesSide] | None = None,
         app: tuple[Settings, Resource] | None = None,
     ) -> None:
         self.telemetry = telemetry
         self.mode = mode
-        self._metrics: _Metrics | None = None if sides is None else sides[0]
-        self._traces: _Traces | None = None if sides is None else sides[1]
+        self._metrics: MetricsSide | None = None if sides is None else sides[0]
+        self._traces: TracesSide | None = None if sides is None else sides[1]
         self._app = app  # what the app's providers are built from on first use (otlp and none modes)
         self._app_lock = threading.RLock()
         self._closed = False
@@ -183,14 +137,14 @@ class TelemetrySetup:
         with self._app_lock:
             if self._traces is None:
                 assert self._app is not None, "shut down"
-                self._traces = _traces_side(*self._app, self._meter_side().meter_provider)
+                self._traces = traces_side(*self._app, self._meter_side().meter_provider)
             return self._traces.tracer_provider
 
-    def _meter_side(self) -> _Metrics:
+    def _meter_side(self) -> MetricsSide:
         with self._app_lock:
             if self._metrics is None:
                 assert self._app is not None, "shut down"
-                self._metrics = _metrics_side(*self._app)
+                self._metrics = metrics_side(*self._app)
             return self._metrics
 
     def force_flush(self, timeout_s: float = 5.0) -> None:
@@ -208,7 +162,7 @@ class TelemetrySetup:
             flushers.append(getattr(self._traces.tracer_provider, "force_flush", None))  # a no-op provider has none
         if self._metrics is not None:
             flushers += [r.force_flush for r in self._metrics.push_readers]
-        _bounded([functools.partial(flush, millis) for flush in flushers if flush is not None], remaining)
+        bounded([functools.partial(flush, millis) for flush in flushers if flush is not None], remaining)
 
     def shutdown(self, timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         """Hand the last records over and stop everything, in at most about ``timeout_s`` whatever the collector
@@ -226,338 +180,11 @@ class TelemetrySetup:
             closers = [] if self._metrics is None else list(self._metrics.closers)
         remaining = max(0.0, deadline - time.monotonic())
         jobs = [
-            lambda p=provider: _shutdown_provider(p, remaining)
+            lambda p=provider: shutdown_provider(p, remaining)
             for provider in providers
             if hasattr(provider, "shutdown")
         ]
-        _bounded(jobs + closers, remaining)
-
-
-def _shutdown_provider(provider: Any, timeout_s: float) -> None:
-    try:
-        provider.shutdown(timeout_millis=int(timeout_s * 1000))
-    except TypeError:  # TracerProvider.shutdown() takes no timeout: _bounded cuts it off
-        provider.shutdown()
-
-
-def _bounded(jobs: Sequence[Any], timeout_s: float) -> bool:
-    """Run ``jobs`` concurrently on daemon threads and wait at most ``timeout_s`` for all of them. A job that
-    outlives the budget (an exporter retrying a dead collector) is abandoned; the caller goes on. A job no thread can
-    be started for (the process is at its thread limit) is skipped, with one log line: never run here unbounded."""
-    threads = []
-    for job in jobs:
-        thread = threading.Thread(target=_quietly, args=(job,), daemon=True, name="otel-hicache-close")
-        try:
-            thread.start()
-        except RuntimeError as exc:  # can't start new thread
-            _log.warning("otel_hicache: a shutdown step was skipped: %s", exc)
-            continue
-        threads.append(thread)
-    deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return len(threads) == len(jobs) and not any(thread.is_alive() for thread in threads)
-
-
-def _quietly(job: Any) -> None:
-    try:
-        job()
-    except Exception:
-        _log.debug("otel_hicache: a shutdown step failed", exc_info=True)
-
-
-def views(cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT) -> list[View]:
-    """One View per instrument: closed attribute keys, a series cap, and explicit buckets for histograms."""
-    out = []
-    for spec in sc.INSTRUMENTS:
-        aggregation = None if spec.buckets is None else ExplicitBucketHistogramAggregation(spec.buckets)
-        out.append(
-            View(
-                instrument_name=spec.name,
-                meter_name=sc.INSTRUMENTATION_SCOPE,
-                attribute_keys=set(spec.attributes),
-                aggregation=aggregation,
-                aggregation_cardinality_limit=cardinality_limit,
-            )
-        )
-    return out
-
-
-def build_resource(
-    service_name: str | None = None,
-    ranks: Mapping[str, int] | None = None,
-    attributes: Mapping[str, Any] | None = None,
-    env: Mapping[str, str] | None = None,
-) -> Resource:
-    """The Resource: ``OTEL_RESOURCE_ATTRIBUTES`` / ``OTEL_SERVICE_NAME`` of ``env`` (``os.environ`` by default) win
-    over ``attributes``, ranks and defaults (``host.name``, ``process.pid``, a random ``service.instance.id``, the
-    SDK's ``telemetry.sdk.*``); ``service_name`` wins over everything."""
-    env = os.environ if env is None else env
-    merged: dict[str, Any] = {
-        TELEMETRY_SDK_LANGUAGE: "python",
-        TELEMETRY_SDK_NAME: "opentelemetry",
-        TELEMETRY_SDK_VERSION: sdk_version,
-        "host.name": socket.gethostname(),
-        "process.pid": os.getpid(),
-    }
-    for rank, value in (ranks or {}).items():
-        key = {"tp": sc.RESOURCE_TP_RANK, "pp": sc.RESOURCE_PP_RANK, "dp": sc.RESOURCE_DP_RANK}.get(rank)
-        if key is None:
-            raise ConfigError(f"unknown rank {rank!r}: expected tp, pp or dp")
-        merged[key] = int(value)
-    merged.update(attributes or {})
-    merged.update(key_values(env, "OTEL_RESOURCE_ATTRIBUTES"))
-    from_env = env.get("OTEL_SERVICE_NAME", "").strip()
-    if service_name is not None:
-        merged[SERVICE_NAME] = service_name
-    elif from_env:
-        merged[SERVICE_NAME] = from_env
-    elif not merged.get(SERVICE_NAME):
-        merged[SERVICE_NAME] = DEFAULT_SERVICE_NAME
-    merged.setdefault(SERVICE_INSTANCE_ID, str(uuid.uuid4()))
-    return Resource(merged)
-
-
-# ---------------------------------------------------------------------- exporters and providers from Settings
-def _default_endpoint(signal: SignalSettings, name: str) -> str:
-    if signal.endpoint is not None:
-        return signal.endpoint
-    return "http://localhost:4317" if signal.protocol == "grpc" else f"http://localhost:4318/v1/{name}"
-
-
-def _grpc_options(signal: SignalSettings, settings: Settings, name: str) -> dict[str, Any]:
-    import grpc
-
-    endpoint = _default_endpoint(signal, name)
-    scheme = endpoint.partition(":")[0]
-    insecure = False if scheme == "https" else signal.insecure if signal.insecure is not None else scheme == "http"
-    credentials = None
-    if not insecure:
-        credentials = grpc.ssl_channel_credentials(
-            _read(signal.certificate), _read(signal.client_key), _read(signal.client_certificate)
-        )
-    codes = None
-    if settings.retryable_error_codes is not None:
-        codes = [grpc.StatusCode[code] for code in settings.retryable_error_codes]
-    return {
-        "endpoint": endpoint,
-        "insecure": insecure,
-        "credentials": credentials,
-        "headers": dict(signal.headers) or None,
-        "timeout": 10.0 if signal.timeout_s is None else signal.timeout_s,
-        "compression": grpc.Compression.Gzip if signal.compression == "gzip" else grpc.Compression.NoCompression,
-        "retryable_error_codes": codes,
-    }
-
-
-def _http_options(signal: SignalSettings, name: str) -> dict[str, Any]:
-    from opentelemetry.exporter.otlp.proto.http import Compression
-
-    verify: Any = signal.certificate if signal.certificate is not None else True
-    return {
-        "endpoint": _default_endpoint(signal, name),
-        "certificate_file": verify,
-        "client_key_file": signal.client_key,
-        "client_certificate_file": signal.client_certificate,
-        "headers": dict(signal.headers) or None,
-        "timeout": 10.0 if signal.timeout_s is None else signal.timeout_s,
-        "compression": Compression(signal.compression or "none"),
-    }
-
-
-def _read(path: str | None) -> bytes | None:
-    return None if path is None else Path(path).read_bytes()
-
-
-def _otlp_span_exporter(settings: Settings, meter_provider: metrics.MeterProvider) -> SpanExporter:
-    signal = settings.traces
-    if signal.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpan
-
-        return GrpcSpan(**_grpc_options(signal, settings, "traces"), meter_provider=meter_provider)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpan
-
-    return HttpSpan(**_http_options(signal, "traces"), meter_provider=meter_provider)
-
-
-def _otlp_metric_exporter(settings: Settings) -> Any:
-    signal = settings.metrics
-    preferences = _metric_preferences(settings)
-    if signal.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetric
-
-        return GrpcMetric(**_grpc_options(signal, settings, "metrics"), **preferences)
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetric
-
-    return HttpMetric(**_http_options(signal, "metrics"), **preferences)
-
-
-def _metric_preferences(settings: Settings) -> dict[str, Any]:
-    """Temporality and histogram aggregation as ``OTEL_EXPORTER_OTLP_METRICS_*`` of ``env`` say (the SDK's table)."""
-    from opentelemetry.sdk.metrics import (
-        Counter,
-        Histogram,
-        ObservableCounter,
-        ObservableGauge,
-        ObservableUpDownCounter,
-        UpDownCounter,
-    )
-    from opentelemetry.sdk.metrics.export import AggregationTemporality
-    from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
-
-    preference = settings.temporality_preference or "cumulative"
-    delta = {"delta": {Counter, Histogram, ObservableCounter}, "lowmemory": {Counter, Histogram}}.get(preference, set())
-    classes = (Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter, ObservableGauge)
-    temporality = {
-        cls: AggregationTemporality.DELTA if cls in delta else AggregationTemporality.CUMULATIVE for cls in classes
-    }
-    exponential = settings.histogram_aggregation == "base2_exponential_bucket_histogram"
-    aggregation = ExponentialBucketHistogramAggregation() if exponential else ExplicitBucketHistogramAggregation()
-    return {"preferred_temporality": temporality, "preferred_aggregation": {Histogram: aggregation}}
-
-
-def _sampler(settings: Settings) -> sampling.Sampler:
-    rate = 1.0 if settings.sampler_arg is None else settings.sampler_arg
-    return {
-        "always_on": lambda: sampling.ALWAYS_ON,
-        "always_off": lambda: sampling.ALWAYS_OFF,
-        "traceidratio": lambda: sampling.TraceIdRatioBased(rate),
-        "parentbased_always_on": lambda: sampling.DEFAULT_ON,
-        "parentbased_always_off": lambda: sampling.DEFAULT_OFF,
-        "parentbased_traceidratio": lambda: sampling.ParentBasedTraceIdRatio(rate),
-    }[settings.sampler]()
-
-
-def _span_limits(settings: Settings) -> SpanLimits:
-    """The SDK's span limits from ``env`` (every limit given, so the SDK reads none from the process environment):
-    a specific limit wins over the general one, which wins over the SDK's default (128; no length limit)."""
-    given = settings.span_limits
-
-    def limit(name: str, general: str | None, default: int | None) -> int:
-        for key in (name, general):
-            if key is not None and key in given:
-                value = given[key]
-                return SpanLimits.UNSET if value is None else value
-        return SpanLimits.UNSET if default is None else default
-
-    count, length = "OTEL_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"
-    return SpanLimits(
-        max_attributes=limit(count, None, 128),
-        max_events=limit("OTEL_SPAN_EVENT_COUNT_LIMIT", None, 128),
-        max_links=limit("OTEL_SPAN_LINK_COUNT_LIMIT", None, 128),
-        max_span_attributes=limit("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", count, 128),
-        max_event_attributes=limit("OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT", count, 128),
-        max_link_attributes=limit("OTEL_LINK_ATTRIBUTE_COUNT_LIMIT", count, 128),
-        max_attribute_length=limit(length, None, None),
-        max_span_attribute_length=limit("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", length, None),
-    )
-
-
-_EXEMPLAR_FILTERS: dict[str, type[TraceBasedExemplarFilter | AlwaysOnExemplarFilter | AlwaysOffExemplarFilter]] = {
-    "trace_based": TraceBasedExemplarFilter,
-    "always_on": AlwaysOnExemplarFilter,
-    "always_off": AlwaysOffExemplarFilter,
-}
-
-
-def _build(
-    settings: Settings,
-    resource: Resource,
-    prometheus_port: int | None = None,
-    *,
-    collect: SpanProcessor | None = None,
-    id_generator: IdGenerator | None = None,
-) -> tuple[_Metrics, _Traces]:
-    """Both providers for ``settings``; with ``collect``, OTLP spans go to that processor and the exporter is handed
-    back (the export process sends them itself)."""
-    side = _metrics_side(settings, resource, prometheus_port)
-    try:
-        return side, _traces_side(settings, resource, side.meter_provider, collect=collect, id_generator=id_generator)
-    except BaseException:
-        _bounded(side.closers, 5.0)
-        raise
-
-
-def _metrics_side(settings: Settings, resource: Resource, prometheus_port: int | None = None) -> _Metrics:
-    """The meter provider and its readers. The Prometheus port is bound first (the one step that can fail on a
-    value); if anything after it fails, the server is stopped before the error propagates."""
-    closers: list[Any] = []
-    readers: list[MetricReader] = []
-    address = None
-    if prometheus_port is not None:
-        address, reader, stop = _prometheus_reader(settings.prometheus_host, prometheus_port)
-        readers.append(reader)
-        closers.append(stop)
-    try:
-        memory_reader: InMemoryMetricReader | None = None
-        interval, timeout = settings.metric_export_interval_ms, settings.metric_export_timeout_ms
-        for kind in settings.metrics_exporters:
-            if kind == "otlp":
-                readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(settings), interval, timeout))
-            elif kind == "console":
-                readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stdout), interval, timeout))
-            elif kind == "embedded":
-                memory_reader = InMemoryMetricReader()
-                readers.append(memory_reader)
-        meter_provider = MeterProvider(metric_readers=readers, resource=resource,
-                                       views=views(settings.cardinality_limit),
-                                       exemplar_filter=_EXEMPLAR_FILTERS[settings.exemplar_filter](),
-                                       shutdown_on_exit=False)  # fmt: skip
-    except BaseException:
-        _bounded(closers, 5.0)
-        raise
-    push = [r for r in readers if isinstance(r, PeriodicExportingMetricReader)]
-    return _Metrics(meter_provider, memory_reader, address, closers, list(push))
-
-
-def _traces_side(
-    settings: Settings,
-    resource: Resource,
-    meter_provider: metrics.MeterProvider,
-    *,
-    collect: SpanProcessor | None = None,
-    id_generator: IdGenerator | None = None,
-) -> _Traces:
-    """The tracer provider and its processors (their own metrics go to ``meter_provider``)."""
-    tracer_provider = TracerProvider(sampler=_sampler(settings), resource=resource, shutdown_on_exit=False,
-                                     id_generator=id_generator, span_limits=_span_limits(settings))  # fmt: skip
-    batching = {
-        "max_queue_size": settings.bsp_max_queue_size,
-        "schedule_delay_millis": settings.bsp_schedule_delay_ms,
-        "max_export_batch_size": settings.bsp_max_export_batch_size,
-        "export_timeout_millis": settings.bsp_export_timeout_ms,
-    }
-    recent: RecentSpans | None = None
-    handed_back: SpanExporter | None = None
-    for kind in settings.traces_exporters:
-        if kind == "otlp":
-            span_exporter = _otlp_span_exporter(settings, meter_provider)
-            if collect is not None:
-                tracer_provider.add_span_processor(collect)
-                handed_back = span_exporter
-            else:
-                tracer_provider.add_span_processor(
-                    BatchSpanProcessor(span_exporter, **batching, meter_provider=meter_provider)
-                )
-        elif kind == "console":
-            tracer_provider.add_span_processor(
-                BatchSpanProcessor(ConsoleSpanExporter(out=sys.stdout), **batching, meter_provider=meter_provider)
-            )
-        elif kind == "embedded":
-            recent = RecentSpans()
-            tracer_provider.add_span_processor(SimpleSpanProcessor(recent))
-    return _Traces(tracer_provider, recent, handed_back)
-
-
-def export_providers(
-    config: Mapping[str, Any], collect: SpanProcessor, id_generator: IdGenerator
-) -> tuple[TracerProvider, MeterProvider, SpanExporter | None, Settings]:
-    """The export process's providers: the host's settings (its ``OTEL_*`` variables are this process's environment,
-    its arguments in ``config``) and Resource; spans go to ``collect``, the OTLP span exporter is handed back."""
-    settings = validate(os.environ, endpoint=config["endpoint"], protocol=config["protocol"],
-                        cardinality_limit=config["cardinality_limit"])  # fmt: skip
-    side, traces = _build(settings, Resource(config["resource"]), collect=collect, id_generator=id_generator)
-    return traces.tracer_provider, side.meter_provider, traces.span_exporter, settings
+        bounded(jobs + closers, remaining)
 
 
 # ---------------------------------------------------------------------- configure()
@@ -596,32 +223,32 @@ def configure(
     )  # fmt: skip
     if settings.disabled:
         noop: Any = (metrics.NoOpMeterProvider(), trace.NoOpTracerProvider())
-        sides = (_Metrics(noop[0], None, None, [], []), _Traces(noop[1], None, None))
+        sides = (MetricsSide(noop[0], None, None, [], []), TracesSide(noop[1], None, []))
         return _without_export(pools, extra_pools, token_metrics, "disabled", sides=sides)
 
     resource = build_resource(service_name, ranks, resource_attributes, env)
     pinned = SERVICE_INSTANCE_ID in {**key_values(env, "OTEL_RESOURCE_ATTRIBUTES"), **(resource_attributes or {})}
     identity = _claim_identity(resource, pinned)
-    kinds = {*settings.traces_exporters, *settings.metrics_exporters} - {"prometheus"}
-    in_process = settings.prometheus_port is not None or bool(kinds & {"console", "embedded"})
+    kinds = {*settings.traces_exporters, *settings.metrics_exporters}
+    here = in_process(settings)
     app = (settings, resource)
-    if not in_process and kinds == {"none"}:
+    if not here and kinds == {NONE}:
         setup = _without_export(pools, extra_pools, token_metrics, "none", app=app)
-    elif not in_process:
-        config = {
-            "environment": _exporter_environment(env),
-            "endpoint": endpoint,
-            "protocol": protocol,
-            "resource": dict(resource.attributes),
-            "cardinality_limit": cardinality_limit,
-            "spans": "otlp" in settings.traces_exporters,
-            "token_metrics": token_metrics,
-        }
-        consumer = functools.partial(_export_process, config=config)
+    elif not here:
+        plan = ExportPlan(
+            environment=_exporter_environment(env),
+            resource=dict(resource.attributes),
+            endpoint=endpoint,
+            protocol=protocol,
+            cardinality_limit=cardinality_limit,
+            spans=settings.traces_exporters != (NONE,),
+            token_metrics=token_metrics,
+        )
+        consumer = functools.partial(ExportProcess, plan=plan)
         telemetry = HiCacheTelemetry(pools=pools, extra_pools=extra_pools, consumer=consumer)
         setup = TelemetrySetup(telemetry, "otlp", app=app)
     else:
-        sides = _build(settings, resource, settings.prometheus_port)
+        sides = build(settings, resource, settings.prometheus_port)
         telemetry = HiCacheTelemetry(sides[1].tracer_provider, sides[0].meter_provider, pools=pools,
                                      extra_pools=extra_pools, token_metrics=token_metrics)  # fmt: skip
         mode = next((k for k in ("otlp", "embedded", "console") if k in kinds), "prometheus")
@@ -641,7 +268,7 @@ def _without_export(
     extra_pools: Sequence[str],
     token_metrics: bool,
     mode: str,
-    sides: tuple[_Metrics, _Traces] | None = None,
+    sides: tuple[MetricsSide, TracesSide] | None = None,
     app: tuple[Settings, Resource] | None = None,
 ) -> TelemetrySetup:
     """A telemetry that counts (``snapshot()`` is exact) and builds and exports nothing."""
@@ -655,12 +282,6 @@ def _exporter_environment(env: Mapping[str, str]) -> dict[str, str]:
     out = {key: value for key, value in env.items() if key.startswith("OTEL_")}
     out.setdefault(_INTERNAL_METRICS_ENV, "true")
     return out
-
-
-def _export_process(channel: Channel, *, config: dict[str, Any]) -> ExportProcess:
-    layout = channel.layout
-    full = {**config, "pools": list(layout.pools), "seed_pools": list(layout.seed_pools), "capacity": channel.capacity}
-    return ExportProcess(full)
 
 
 #: Open setups whose ``service.instance.id`` was pinned, by (pid, namespace, name, instance id).
@@ -696,28 +317,7 @@ class _AtExit:
 
     def _close_all(self) -> None:
         setups = list(self._setups)
-        _bounded([lambda s=s: s.shutdown(DEFAULT_SHUTDOWN_TIMEOUT_S) for s in setups], DEFAULT_SHUTDOWN_TIMEOUT_S)
+        bounded([lambda s=s: s.shutdown(DEFAULT_SHUTDOWN_TIMEOUT_S) for s in setups], DEFAULT_SHUTDOWN_TIMEOUT_S)
 
 
 _AT_EXIT = _AtExit()
-
-
-def _prometheus_reader(host: str, port: int) -> tuple[tuple[str, int], MetricReader, Any]:
-    """A Prometheus exporter reader and an HTTP server for it (port 0 picks a free one)."""
-    from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from prometheus_client import CollectorRegistry, start_http_server
-
-    # A registry of our own, so servers do not mix; the reader (un)registers itself there.
-    registry = CollectorRegistry()
-    reader = PrometheusMetricReader(registry=registry)
-    try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:
-        raise ConfigError(f"cannot serve Prometheus metrics on {host}:{port}: {exc.strerror or exc}") from None
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
-
-    return (host, server.server_port), reader, stop

@@ -232,11 +232,30 @@ EVICTION_AGE_BUCKETS: Final[tuple[float, ...]] = (
 )  # fmt: skip
 
 
+class Feed(_StrEnum):
+    """What an instrument's points are made of (the emitter reads each instrument the way its row says)."""
+
+    COUNTERS = "counters"  # an observable counter over the exact slot table (one slot per series)
+    TRANSFERS = "transfers"  # a histogram point per timed transfer: its copy duration, by operation and timing source
+    POINTS = "points"  # histogram points a producer call queues, by the row's attributes
+    POOL_USAGE = "pool_usage"  # the last pool reading: used and free slots
+    POOL_LIMIT = "pool_limit"  # the last pool reading: capacity
+
+
+#: In a row's ``seeds``: the pools a telemetry pre-seeds (``HiCacheTelemetry(pools=...)``; SGLang pre-seeds ``kv``).
+SEED_POOLS: Final[tuple[str, ...]] = ("<the telemetry's seeded pools>",)
+
+
 class InstrumentSpec(NamedTuple):
-    """Name, kind, unit, description, the closed attribute keys and (histograms) the buckets of one instrument.
+    """One instrument: everything the pipeline needs to count, export and seed it.
 
     ``kind`` is what the sink creates: ``counter`` (an observable counter reading exact accumulators),
-    ``histogram``, or ``observable_up_down_counter`` (pool occupancy gauges).
+    ``histogram``, or ``observable_up_down_counter`` (pool occupancy gauges); ``feed`` what its points are made of;
+    ``attributes`` its closed attribute keys, in the order of a series' key; ``optional`` those a producer may leave
+    out (the series then has no such attribute); ``buckets`` a histogram's boundaries; ``seeds``, per attribute, the
+    values whose series are reported at 0 before anything happened (as SGLang pre-seeds its own, so ``rate()``
+    works from the start; None: absent, :data:`SEED_POOLS`: the telemetry's seeded pools), or ``()``: none seeded.
+    A new instrument is a row here plus the producer call that feeds it.
     """
 
     name: str
@@ -245,65 +264,165 @@ class InstrumentSpec(NamedTuple):
     description: str
     attributes: tuple[str, ...]
     buckets: tuple[float, ...] | None = None
+    feed: Feed = Feed.COUNTERS
+    optional: tuple[str, ...] = ()
+    seeds: tuple[tuple[object, ...], ...] = ()
 
+
+_KNOWN_REASONS = tuple(reason for reason in DropReason if reason is not DropReason.OTHER)
+_KNOWN_MODES = tuple(mode for mode in PrefillMode if mode is not PrefillMode.OTHER)
 
 INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
-    InstrumentSpec(METRIC_TRANSFER_TOKENS, "counter", UNIT_TOKEN,
-                   "Logical tokens moved by completed merged transfers, by operation and pool. Sidecar transfers "
-                   "that reuse another pool's indices are not counted.", (ATTR_OPERATION, ATTR_POOL)),
-    InstrumentSpec(METRIC_TRANSFER_SIZE, "counter", UNIT_BYTE,
-                   "Bytes moved by completed merged transfers, sidecar and draft piggyback included, by how the "
-                   "copy was timed (none: untimed). hicache.pool is present only where the producer reports bytes per "
-                   "pool (SGLang reports one total per ack). Bandwidth = bytes of one timing source / the duration sum "
-                   "of the same source.", (ATTR_OPERATION, ATTR_POOL, ATTR_TIMING_SOURCE)),
-    InstrumentSpec(METRIC_TRANSFER_DURATION, "histogram", UNIT_SECOND,
-                   "Copy time of a merged transfer, measured on the device (CUDA events) or by the host clock around "
-                   "a synchronous copy. Transfers without timing record nothing here.",
-                   (ATTR_OPERATION, ATTR_TIMING_SOURCE), TRANSFER_DURATION_BUCKETS),
-    InstrumentSpec(METRIC_TRANSFER_FAILURES, "counter", UNIT_TRANSFER,
-                   "Transfers that could not be issued or completed.", (ATTR_OPERATION, ATTR_ERROR_TYPE)),
-    InstrumentSpec(METRIC_DROPPED_TOKENS, "counter", UNIT_TOKEN,
-                   "Device KV tokens destroyed without a host copy.", (ATTR_DROP_REASON, ATTR_POOL)),
-    InstrumentSpec(METRIC_EVICTION_TOKENS, "counter", UNIT_TOKEN,
-                   "Token slots freed by eviction, backed up or not; hicache.eviction.reused says whether the evicted "
-                   "entries served any hit while in that tier (absent where the producer does not know).",
-                   (ATTR_TIER, ATTR_EVICTION_REUSED)),
-    InstrumentSpec(METRIC_EVICTION_DURATION, "histogram", UNIT_SECOND,
-                   "Wall-clock time of an eviction pass, blocking write-back copies included.", (ATTR_TIER,),
-                   EVICTION_DURATION_BUCKETS),
-    InstrumentSpec(METRIC_EVICTION_AGE, "histogram", UNIT_SECOND,
-                   "Time since an evicted entry was last used (hit or written) in the tier it was evicted from, one "
-                   "point per entry: short ages mean the tier is too small for the reuse distance.", (ATTR_TIER,),
-                   EVICTION_AGE_BUCKETS),
-    InstrumentSpec(METRIC_WASTED_SIZE, "counter", UNIT_BYTE,
-                   "Bytes a transfer wrote into a tier that were evicted from it without ever being read back, by the "
-                   "operation that wrote them (backup and storage_prefetch: into host memory; storage_backup: into "
-                   "storage; load_back: into device memory).",
-                   (ATTR_OPERATION,)),
-    InstrumentSpec(METRIC_REQUEST_KV_WAIT, "histogram", UNIT_SECOND,
-                   "How long a request's prefill waited for its KV to arrive from a tier (host: load back before the "
-                   "forward that needs it; storage: prefetch until the request is released). Requests that waited for "
-                   "nothing record nothing.", (ATTR_TIER,), KV_WAIT_BUCKETS),
-    InstrumentSpec(METRIC_PREFILL_TOKENS, "counter", UNIT_TOKEN,
-                   "Prefill tokens by how they were obtained: computed (input) or hit in a tier.",
-                   (ATTR_PREFILL_MODE,)),
-    InstrumentSpec(METRIC_POOL_USAGE, "observable_up_down_counter", UNIT_TOKEN,
-                   "Token slots of a pool in use or free, per tier.", (ATTR_TIER, ATTR_POOL, ATTR_SLOT_STATE)),
-    InstrumentSpec(METRIC_POOL_LIMIT, "observable_up_down_counter", UNIT_TOKEN,
-                   "Capacity of a pool in token slots, per tier.", (ATTR_TIER, ATTR_POOL)),
-    InstrumentSpec(METRIC_RECORDS_REJECTED, "counter", UNIT_RECORD,
-                   "Records otel_hicache refused (malformed); nothing of them was counted.",
-                   (ATTR_RECORD_KIND, ATTR_PROBLEM)),
-    InstrumentSpec(METRIC_RECORDS_NORMALIZED, "counter", UNIT_RECORD,
-                   "Records counted after a correction (an unknown pool reported as other).",
-                   (ATTR_RECORD_KIND, ATTR_PROBLEM)),
-    InstrumentSpec(METRIC_RECORDS_DROPPED, "counter", UNIT_RECORD,
-                   "Records whose span and histogram point were lost (the export ring was full, or the telemetry was "
-                   "shut down), and spans whose export failed; their counters are still exact.", (ATTR_RECORD_KIND,)),
-    InstrumentSpec(METRIC_ENGINE_MISMATCH, "counter", UNIT_MISMATCH,
-                   "Self-checks in which an instrument's total disagreed with the engine's own counter in the same "
-                   "process (an adapter that undercounts after an engine change).", (ATTR_INSTRUMENT,)),
-)  # fmt: skip
+    InstrumentSpec(
+        METRIC_TRANSFER_TOKENS,
+        "counter",
+        UNIT_TOKEN,
+        "Logical tokens moved by completed merged transfers, by operation and pool. Sidecar transfers that reuse "
+        "another pool's indices are not counted.",
+        (ATTR_OPERATION, ATTR_POOL),
+        seeds=(tuple(TransferOperation), SEED_POOLS),
+    ),
+    InstrumentSpec(
+        METRIC_TRANSFER_SIZE,
+        "counter",
+        UNIT_BYTE,
+        "Bytes moved by completed merged transfers, sidecar and draft piggyback included, by how the copy was timed "
+        "(none: untimed). hicache.pool is present only where the producer reports bytes per pool (SGLang reports one "
+        "total per ack). Bandwidth = bytes of one timing source / the duration sum of the same source.",
+        (ATTR_OPERATION, ATTR_POOL, ATTR_TIMING_SOURCE),
+        optional=(ATTR_POOL,),
+        seeds=(tuple(TransferOperation), (None,), tuple(TimingSource)),
+    ),
+    InstrumentSpec(
+        METRIC_TRANSFER_DURATION,
+        "histogram",
+        UNIT_SECOND,
+        "Copy time of a merged transfer, measured on the device (CUDA events) or by the host clock around a "
+        "synchronous copy. Transfers without timing record nothing here.",
+        (ATTR_OPERATION, ATTR_TIMING_SOURCE),
+        TRANSFER_DURATION_BUCKETS,
+        feed=Feed.TRANSFERS,
+    ),
+    InstrumentSpec(
+        METRIC_TRANSFER_FAILURES,
+        "counter",
+        UNIT_TRANSFER,
+        "Transfers that could not be issued or completed.",
+        (ATTR_OPERATION, ATTR_ERROR_TYPE),
+    ),
+    InstrumentSpec(
+        METRIC_DROPPED_TOKENS,
+        "counter",
+        UNIT_TOKEN,
+        "Device KV tokens destroyed without a host copy.",
+        (ATTR_DROP_REASON, ATTR_POOL),
+        seeds=(_KNOWN_REASONS, SEED_POOLS),  # "other" appears only when a producer names a reason we do not know
+    ),
+    InstrumentSpec(
+        METRIC_EVICTION_TOKENS,
+        "counter",
+        UNIT_TOKEN,
+        "Token slots freed by eviction, backed up or not; hicache.eviction.reused says whether the evicted entries "
+        "served any hit while in that tier (absent where the producer does not know).",
+        (ATTR_TIER, ATTR_EVICTION_REUSED),
+        optional=(ATTR_EVICTION_REUSED,),
+        seeds=((Tier.DEVICE, Tier.HOST), (None, True, False)),
+    ),
+    InstrumentSpec(
+        METRIC_EVICTION_DURATION,
+        "histogram",
+        UNIT_SECOND,
+        "Wall-clock time of an eviction pass, blocking write-back copies included.",
+        (ATTR_TIER,),
+        EVICTION_DURATION_BUCKETS,
+        feed=Feed.POINTS,
+    ),
+    InstrumentSpec(
+        METRIC_EVICTION_AGE,
+        "histogram",
+        UNIT_SECOND,
+        "Time since an evicted entry was last used (hit or written) in the tier it was evicted from, one point per "
+        "entry: short ages mean the tier is too small for the reuse distance.",
+        (ATTR_TIER,),
+        EVICTION_AGE_BUCKETS,
+        feed=Feed.POINTS,
+    ),
+    InstrumentSpec(
+        METRIC_WASTED_SIZE,
+        "counter",
+        UNIT_BYTE,
+        "Bytes a transfer wrote into a tier that were evicted from it without ever being read back, by the operation "
+        "that wrote them (backup and storage_prefetch: into host memory; storage_backup: into storage; load_back: "
+        "into device memory).",
+        (ATTR_OPERATION,),
+        seeds=((TransferOperation.BACKUP, TransferOperation.STORAGE_BACKUP),),
+    ),
+    InstrumentSpec(
+        METRIC_REQUEST_KV_WAIT,
+        "histogram",
+        UNIT_SECOND,
+        "How long a request's prefill waited for its KV to arrive from a tier (host: load back before the forward "
+        "that needs it; storage: prefetch until the request is released). Requests that waited for nothing record "
+        "nothing.",
+        (ATTR_TIER,),
+        KV_WAIT_BUCKETS,
+        feed=Feed.POINTS,
+    ),
+    InstrumentSpec(
+        METRIC_PREFILL_TOKENS,
+        "counter",
+        UNIT_TOKEN,
+        "Prefill tokens by how they were obtained: computed (input) or hit in a tier.",
+        (ATTR_PREFILL_MODE,),
+        seeds=(_KNOWN_MODES,),  # "other" appears only when a producer reports hits of a kind we do not know
+    ),
+    InstrumentSpec(
+        METRIC_POOL_USAGE,
+        "observable_up_down_counter",
+        UNIT_TOKEN,
+        "Token slots of a pool in use or free, per tier.",
+        (ATTR_TIER, ATTR_POOL, ATTR_SLOT_STATE),
+        feed=Feed.POOL_USAGE,
+    ),
+    InstrumentSpec(
+        METRIC_POOL_LIMIT,
+        "observable_up_down_counter",
+        UNIT_TOKEN,
+        "Capacity of a pool in token slots, per tier.",
+        (ATTR_TIER, ATTR_POOL),
+        feed=Feed.POOL_LIMIT,
+    ),
+    InstrumentSpec(
+        METRIC_RECORDS_REJECTED,
+        "counter",
+        UNIT_RECORD,
+        "Records otel_hicache refused (malformed); nothing of them was counted.",
+        (ATTR_RECORD_KIND, ATTR_PROBLEM),
+    ),
+    InstrumentSpec(
+        METRIC_RECORDS_NORMALIZED,
+        "counter",
+        UNIT_RECORD,
+        "Records counted after a correction (an unknown pool reported as other).",
+        (ATTR_RECORD_KIND, ATTR_PROBLEM),
+    ),
+    InstrumentSpec(
+        METRIC_RECORDS_DROPPED,
+        "counter",
+        UNIT_RECORD,
+        "Records whose span and histogram point were lost (the export ring was full, or the telemetry was shut "
+        "down), and spans whose export failed; their counters are still exact.",
+        (ATTR_RECORD_KIND,),
+    ),
+    InstrumentSpec(
+        METRIC_ENGINE_MISMATCH,
+        "counter",
+        UNIT_MISMATCH,
+        "Self-checks in which an instrument's total disagreed with the engine's own counter in the same process (an "
+        "adapter that undercounts after an engine change).",
+        (ATTR_INSTRUMENT,),
+    ),
+)
 
 # --------------------------------------------------------------------------- spans
 SPAN_NAMES: Final[dict[TransferOperation, str]] = {op: f"hicache.{op.value}" for op in TransferOperation}

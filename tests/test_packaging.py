@@ -1,13 +1,25 @@
-"""The distribution says what the code says: one version, the instrumented engines, the licence, the type marker."""
+"""The distribution says what the code says: one version, the instrumented engines, the licence, the type marker; and
+the core installs light: no torch, click, tqdm or numpy, no testing code."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
 from collections.abc import Iterable
 from importlib.metadata import distribution, metadata, requires
 from pathlib import Path
 
+import pytest
+
 import otel_hicache
 from otel_hicache import package, version
+from otel_hicache.testing.otlp_receiver import OtlpReceiver
 
 ROOT = Path(__file__).parents[1]
 
@@ -49,3 +61,85 @@ def test_the_declared_licence_is_the_shipped_licence_text() -> None:
 
 def test_the_package_ships_its_type_marker() -> None:
     assert (Path(otel_hicache.__file__).parent / "py.typed").is_file()
+
+
+# ---------------------------------------------------------------------- the light install
+#: What only the demo needs (the ``demo`` extra): blocked below, as if not installed.
+DEMO_ONLY = ("torch", "click", "tqdm", "numpy")
+
+
+def blocked(tmp_path: Path, *names: str) -> dict[str, str]:
+    """An environment in which importing each of ``names`` fails as if it were not installed (a package of that name
+    that raises ModuleNotFoundError, first on the path: the export process inherits it too)."""
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ModuleNotFoundError('blocked: {name}', name='{name}')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+
+
+LIGHT = textwrap.dedent(
+    """
+    import json, sys
+    import otel_hicache
+    from otel_hicache import TransferOperation, TransferRecord, make_timing_event_pair
+
+    modes = {}
+    for env in ({}, {"OTEL_EXPORTER_OTLP_ENDPOINT": sys.argv[1], "OTEL_METRIC_EXPORT_INTERVAL": "100"}):
+        setup = otel_hicache.configure(env=env)
+        setup.telemetry.record_transfer(TransferRecord(TransferOperation.BACKUP, {"kv": 4}, 256, 10, 20))
+        modes[setup.mode] = setup.telemetry.snapshot()["hicache.transfer.tokens"][("backup", "kv")]
+        setup.force_flush()
+        setup.shutdown()
+    timing = make_timing_event_pair()[2].value
+    print(json.dumps({"modes": modes, "timing": timing, "loaded": sorted(m for m in ("torch", "click", "tqdm",
+          "numpy") if m in sys.modules and sys.modules[m] is not None)}))
+    """
+)
+
+
+def test_the_core_imports_and_configures_without_torch_click_tqdm_or_numpy(tmp_path: Path) -> None:
+    with OtlpReceiver() as rx:
+        done = subprocess.run([sys.executable, "-c", LIGHT, rx.grpc_endpoint], env=blocked(tmp_path, *DEMO_ONLY),
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert rx.wait_for(lambda: [s.name for s in rx.spans()] == ["hicache.backup"], 30)  # from the export process
+    assert json.loads(done.stdout) == {"modes": {"embedded": 4, "otlp": 4}, "timing": "host_clock", "loaded": []}
+
+
+@pytest.mark.parametrize("missing", ["click", "torch"])
+def test_the_command_without_the_demo_extra_says_in_one_line_what_to_install(tmp_path: Path, missing: str) -> None:
+    command = [sys.executable, "-m", "otel_hicache", "demo", "--requests", "5"]
+    done = subprocess.run(command, env=blocked(tmp_path, missing), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"{'otel-hicache' if missing == 'click' else 'Error'}: the demo needs {missing}, which is not installed "
+        "here: pip install 'otel-hicache[demo]'"
+    ]
+
+
+def test_the_wheel_ships_no_testing_code_and_requires_only_the_core(tmp_path: Path) -> None:
+    source = tmp_path / "src"  # what a clone holds (no build/ of an earlier run), as the Dockerfile copies it
+    shutil.copytree(ROOT / "otel_hicache", source / "otel_hicache", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), source],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("otel_hicache-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        metadata = archive.read(meta).decode()
+    assert "otel_hicache/telemetry.py" in names and "otel_hicache/_internal/worker.py" in names
+    assert not [n for n in names if n.startswith("otel_hicache/testing")]
+    requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    core = {re.split(r"[ <>=\[;]", r, maxsplit=1)[0] for r in requires if "extra ==" not in r}
+    assert core == {
+        "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp", "opentelemetry-instrumentation",
+        "opentelemetry-exporter-prometheus", "wrapt",
+    }  # fmt: skip
+    demo = {r.split(";")[0].strip() for r in requires if 'extra == "demo"' in r}
+    assert demo == set(package.DEMO)

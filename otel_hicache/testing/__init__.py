@@ -1,4 +1,4 @@
-"""Helpers for testing and benchmarking otel_hicache against real OTel parts (not needed in production).
+"""Helpers for testing and benchmarking otel_hicache against real OTel parts: in a clone only, never in the wheel.
 
 * :mod:`.sdk`: :func:`~.sdk.make_sdk`, an SDK reading into memory with the production Views;
 * :mod:`.otlp_receiver`: an in-process OTLP receiver (gRPC and HTTP) the real exporters deliver to;

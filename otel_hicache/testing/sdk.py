@@ -75,6 +75,11 @@ class Sdk:
         self.tracer_provider.shutdown()
 
 
+def attributes_of(item: Any) -> dict[str, Any]:
+    """The attributes of a finished span, a span link or a metric point as a plain dict (the SDK's may be None)."""
+    return dict(item.attributes or {})
+
+
 def make_sdk(sampler: Sampler | None = None, **telemetry_kwargs: Any) -> Sdk:
     """A fresh :class:`Sdk`; ``telemetry_kwargs`` go to :class:`HiCacheTelemetry` (``pools=...``, ``spans=...``)."""
     exporter = InMemorySpanExporter()

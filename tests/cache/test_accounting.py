@@ -14,6 +14,7 @@ from tests.cache.support import run_workload, small_config
 
 
 def _copied(cache: HiCache) -> tuple[collections.Counter, collections.Counter]:
+    assert cache.store is not None
     slots = cache.controller.stats.slots + cache.store.stats.slots
     nbytes = cache.controller.stats.bytes + cache.store.stats.bytes
     return slots, nbytes
@@ -110,7 +111,7 @@ def test_prefix_split_agrees_with_sglang_split_cached_prefix_by_tier(csdk, tmp_p
     from otel_hicache.cache.workload import WorkloadConfig, requests
 
     wl = WorkloadConfig(seed=3, documents=8, document_tokens=64, system_tokens=16, turn_tokens=(4, 16))
-    seen = collections.Counter()
+    seen: collections.Counter[str] = collections.Counter()
     try:
         for prompt, _ in zip(requests(wl), range(120), strict=False):
             m = cache.match_prefix(prompt)

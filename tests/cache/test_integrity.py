@@ -16,6 +16,7 @@ def test_seeded_workload_keeps_every_copy_intact(csdk, tmp_path, policy: str, se
     try:
         run_workload(cache, 120, seed=seed)
         # every path ran: D->H, H->D, L3 write and L3 read, evictions on both tiers
+        assert cache.store is not None
         ops = {op for (op, _pool) in cache.controller.stats.slots} | {op for (op, _) in cache.store.stats.slots}
         assert ops == {"backup", "load_back", "storage_backup", "storage_prefetch"}
         assert cache.stats.evicted["device"] > 0 and cache.stats.evicted["host"] > 0
@@ -29,16 +30,18 @@ def test_l3_files_hold_the_pages_they_are_named_after(csdk, tmp_path) -> None:
     cache = HiCache(small_config(tmp_path, "write_through"), csdk.telemetry)
     try:
         run_workload(cache, 60)
+        store = cache.store
+        assert store is not None
         by_name = {name: node for node in cache.tree.nodes.values() for name in node.names}
         files = list(tmp_path.rglob("*.kv"))
-        assert files and {p.parent.parent for p in files} == {cache.store.namespace}
+        assert files and {p.parent.parent for p in files} == {store.namespace}
         for path in files:
-            cache.store._read_entry(path.stem)  # raises unless header, size and checksum are all good
+            store._read_entry(path.stem)  # raises unless header, size and checksum are all good
         # A stored page read into fresh host memory equals the model's KV for that page name.
-        name = next(n for n in by_name if cache.store.contains(n))
+        name = next(n for n in by_name if store.contains(n))
         value, _ = cache.host.alloc(1, False)
         assert value is not None
-        cache.store._load_payload(value, 0, cache.store._read_entry(name))
+        store._load_payload(value, 0, store._read_entry(name))
         for pool in ("kv", "draft"):
             assert torch.equal(read_value(cache.host, value, pool), expected_value(cache, pool, [name]))
         assert not list(tmp_path.rglob("*.tmp"))  # atomic writes leave no temporaries
@@ -61,6 +64,7 @@ def test_storage_hit_after_the_tree_forgot_the_prefix_serves_the_stored_kv(csdk,
         assert admission.split.storage_hit == 40 and admission.split.input_tokens == 4
         cache.flush()
         node = admission.nodes[0]
+        assert node.device is not None
         for pool in ("kv", "draft"):
             assert torch.equal(read_value(cache.device, node.device, pool), expected_value(cache, pool, node.names))
         cache.release(admission)

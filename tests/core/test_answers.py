@@ -14,14 +14,14 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from otel_hicache import semconv as sc
-from otel_hicache.accumulation import Layout
-from otel_hicache.channel import Channel, Points
+from otel_hicache._internal.accumulation import Layout
+from otel_hicache._internal.channel import Channel, Points
+from otel_hicache._internal.validation import Link
 from otel_hicache.records import DropRecord, EvictedEntry, EvictionRecord, KvWait, PrefixSplit
 from otel_hicache.sdk import TelemetrySetup, configure
 from otel_hicache.semconv import Tier, TransferOperation
 from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
-from otel_hicache.testing.sdk import Sdk, make_sdk
-from otel_hicache.validation import Link
+from otel_hicache.testing.sdk import Sdk, attributes_of, make_sdk
 
 T0 = 1_790_000_000_000_000_000
 REUSED = sc.ATTR_EVICTION_REUSED
@@ -130,7 +130,7 @@ class TestKvWait:
         request = sdk.tracer_provider.get_tracer("engine").start_span("request")
         sdk.telemetry.record_kv_wait(KvWait(Tier.STORAGE, 0.25, T0), request_span=request)
         request.end()
-        assert request.attributes is not None and request.attributes["hicache.kv_wait.storage"] == 0.25
+        assert attributes_of(request)["hicache.kv_wait.storage"] == 0.25
         point = sdk.points(sc.METRIC_REQUEST_KV_WAIT)[frozenset({sc.ATTR_TIER: "storage"}.items())]
         assert [e.trace_id for e in point.exemplars] == [request.get_span_context().trace_id]
 
@@ -218,7 +218,7 @@ class TestRing:
         channel = self.channel(8)
         values = [float(i) / 3 for i in range(channel.values_per_slot * 2 + 1)]
         context = Link(0xABC, 0x12, 1, True)
-        assert channel.put_points(sc.METRIC_EVICTION_AGE, Tier.HOST, values, T0, context)
+        assert channel.put_points(sc.METRIC_EVICTION_AGE, (Tier.HOST,), values, T0, context)
         assert channel.pending() == 3
         taken = channel.take(8)
         assert all(isinstance(p, Points) and p.instrument == sc.METRIC_EVICTION_AGE for p in taken)
@@ -229,7 +229,7 @@ class TestRing:
 
     def test_points_that_do_not_all_fit_are_not_queued_at_all(self) -> None:
         channel = self.channel(2)
-        assert not channel.put_points(sc.METRIC_EVICTION_AGE, Tier.HOST, [1.0] * (channel.values_per_slot * 3), T0)
+        assert not channel.put_points(sc.METRIC_EVICTION_AGE, (Tier.HOST,), [1.0] * (channel.values_per_slot * 3), T0)
         assert channel.pending() == 0
 
 

@@ -42,9 +42,9 @@ def counted(sdk: Sdk) -> tuple[int, int]:
 def hold_the_host_thread(sdk: Sdk) -> threading.Event:
     """Make the host thread hang in a build (record_transfer_deferred's queue is taken first); set to release."""
     release = threading.Event()
-    sdk.telemetry.record_transfer_deferred(lambda _: release.wait(30) and backup(1000), None)
+    sdk.telemetry.record_transfer_deferred(lambda _: backup(1000) if release.wait(30) else None, None)
     deadline = time.monotonic() + 5
-    while sdk.telemetry._deferred and time.monotonic() < deadline:
+    while sdk.telemetry._host.deferred and time.monotonic() < deadline:
         time.sleep(0.001)
     return release
 
@@ -95,9 +95,9 @@ def test_a_closed_queue_is_dropped_once_drained(small: Sdk) -> None:
     assert small.telemetry.flush()
     assert counted(small) == (2, 0)
     deadline = time.monotonic() + 5
-    while queue in small.telemetry._queues and time.monotonic() < deadline:
+    while queue in small.telemetry._host.queues and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert queue not in small.telemetry._queues
+    assert queue not in small.telemetry._host.queues
 
 
 def test_a_forked_child_builds_its_own_entries_and_none_of_the_parents(small: Sdk) -> None:

@@ -9,7 +9,7 @@ import pytest
 from otel_hicache import semconv as sc
 from otel_hicache.records import TransferRecord
 from otel_hicache.sdk import configure
-from otel_hicache.semconv import TransferOperation
+from otel_hicache.semconv import TimingSource, TransferOperation
 from otel_hicache.testing import free_port
 from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
 
@@ -20,7 +20,7 @@ CALLER_BOUND_S = 0.5
 
 
 def record(tokens: int = 4) -> TransferRecord:
-    return TransferRecord(TransferOperation.BACKUP, {"kv": tokens}, tokens * 100, 1, 2, 0.001, "host_clock")
+    return TransferRecord(TransferOperation.BACKUP, {"kv": tokens}, tokens * 100, 1, 2, 0.001, TimingSource.HOST_CLOCK)
 
 
 def tokens_received(rx: OtlpReceiver) -> int | None:
@@ -86,8 +86,13 @@ def test_receiver_restart_cumulative_totals_recover_and_lost_spans_are_counted(
         rx.start()  # same ports
         for _ in range(5):
             setup.telemetry.record_transfer(record())
+
         # cumulative: right again at the first export that gets through (gRPC reconnects with a backoff)
-        assert rx.wait_for(lambda: setup.force_flush(timeout_s=2) or tokens_received(rx) == 160, 30)
+        def flushed_and_all_there() -> bool:
+            setup.force_flush(timeout_s=2)
+            return tokens_received(rx) == 160
+
+        assert rx.wait_for(flushed_and_all_there, 30)
 
         setup.force_flush()
         exported = rx.latest_metric("otel.sdk.exporter.span.exported")

@@ -89,11 +89,14 @@ def test_metric_points_equal_what_the_records_said(exported: tuple[OtlpReceiver,
         "input": 100, "device_hit": 60, "host_hit": 30, "storage_hit": 10,
     }  # fmt: skip
 
-    histogram = rx.latest_metric(sc.METRIC_TRANSFER_DURATION).histogram
+    metric = rx.latest_metric(sc.METRIC_TRANSFER_DURATION)
+    assert metric is not None
+    histogram = metric.histogram
     points = {attributes(p.attributes)[sc.ATTR_OPERATION]: p for p in histogram.data_points}
     assert tuple(points["backup"].explicit_bounds) == sc.TRANSFER_DURATION_BUCKETS
     for record in RECORDS:
         point = points[record.operation.value]
+        assert record.copy_duration_s is not None
         assert point.count == 1 and point.sum == pytest.approx(record.copy_duration_s)
         bucket = next(i for i, bound in enumerate(sc.TRANSFER_DURATION_BUCKETS) if record.copy_duration_s <= bound)
         assert list(point.bucket_counts) == [int(i == bucket) for i in range(len(sc.TRANSFER_DURATION_BUCKETS) + 1)]

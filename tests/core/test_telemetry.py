@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.metrics.export import Histogram, Sum
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import Histogram, InMemoryMetricReader, Sum
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache import validation
+from otel_hicache._internal import validation
+from otel_hicache._internal.accumulation import Layout
+from otel_hicache._internal.channel import HEADER_INTS, Channel
+from otel_hicache._internal.emitter import Emitter
 from otel_hicache.records import (
     DropRecord,
     EvictedEntry,
@@ -24,7 +29,7 @@ from otel_hicache.records import (
     TransferRecord,
 )
 from otel_hicache.semconv import DropReason, PrefillMode, Tier, TimingSource, TransferOperation
-from otel_hicache.testing.sdk import Sdk, make_sdk
+from otel_hicache.testing.sdk import Sdk, attributes_of, make_sdk
 
 T0 = 1_700_000_000_000_000_000
 
@@ -47,6 +52,19 @@ def backup(tokens: dict[str, int] | None = None, num_bytes: int = 4096, **kw: ob
 
 def op_pool(op: str, pool: str) -> dict[str, str]:
     return {sc.ATTR_OPERATION: op, sc.ATTR_POOL: pool}
+
+
+def _reader_points(sdk: Sdk, name: str) -> dict[frozenset[tuple[str, Any]], Any]:
+    """The points of ``name`` a collection of the reader returns now, with no flush first."""
+    data = sdk.reader.get_metrics_data()
+    return {
+        frozenset(attributes_of(point).items()): point
+        for rm in (data.resource_metrics if data else ())
+        for scope in rm.scope_metrics
+        for metric in scope.metrics
+        if metric.name == name
+        for point in getattr(metric.data, "data_points", ())
+    }
 
 
 class TestMetricPoints:
@@ -73,8 +91,8 @@ class TestMetricPoints:
             assert isinstance(metric.data, expected_kind[spec.kind]), spec.name
             if isinstance(metric.data, Sum):
                 assert metric.data.is_monotonic == (spec.kind == "counter"), spec.name
-            for point in metric.data.data_points:
-                assert set(point.attributes) <= set(spec.attributes), (spec.name, point.attributes)
+            for point in getattr(metric.data, "data_points", ()):
+                assert set(attributes_of(point)) <= set(spec.attributes), (spec.name, point.attributes)
 
     def test_known_series_are_pre_seeded_at_zero(self, sdk: Sdk) -> None:
         for op in TransferOperation:
@@ -185,7 +203,7 @@ class TestSpans:
         assert span.kind == trace.SpanKind.INTERNAL
         assert span.start_time == T0 and span.end_time == T0 + 3_000_000
         assert span.parent is None
-        assert dict(span.attributes) == {
+        assert attributes_of(span) == {
             "hicache.operation": "backup",
             "hicache.transfer.token_count": 20,
             "hicache.transfer.tokens.kv": 16,
@@ -200,7 +218,7 @@ class TestSpans:
             "hicache.write_policy": "write_back",
             "hicache.io_backend": "kernel",
         }
-        assert span.instrumentation_scope.name == sc.INSTRUMENTATION_SCOPE
+        assert span.instrumentation_scope is not None and span.instrumentation_scope.name == sc.INSTRUMENTATION_SCOPE
 
     @pytest.mark.parametrize("op", list(TransferOperation))
     def test_span_name_follows_the_operation(self, sdk: Sdk, op: TransferOperation) -> None:
@@ -210,15 +228,15 @@ class TestSpans:
     def test_untimed_transfer_has_no_copy_duration_and_says_so(self, sdk: Sdk) -> None:
         sdk.telemetry.record_transfer(backup(copy_duration_s=None, timing_source=TimingSource.CUDA_EVENT))
         (span,) = sdk.spans()
-        assert "hicache.transfer.copy_duration" not in span.attributes
-        assert span.attributes["hicache.timing.source"] == "none"
+        assert "hicache.transfer.copy_duration" not in attributes_of(span)
+        assert attributes_of(span)["hicache.timing.source"] == "none"
 
     def test_a_label_longer_than_a_span_keeps_is_cut_between_characters(self, sdk: Sdk) -> None:
         policy = "\u20ac" * 11  # 11 characters, 33 bytes in UTF-8: one byte past MAX_LABEL_BYTES
         sdk.telemetry.record_transfer(backup(write_policy=policy, io_backend="k" * 40))
         (span,) = sdk.spans()
-        assert span.attributes["hicache.write_policy"] == "\u20ac" * 10  # never half a character (U+FFFD)
-        assert span.attributes["hicache.io_backend"] == "k" * 32
+        assert attributes_of(span)["hicache.write_policy"] == "\u20ac" * 10  # never half a character (U+FFFD)
+        assert attributes_of(span)["hicache.io_backend"] == "k" * 32
 
     def test_transfer_links_to_the_request_spans_it_served(self, sdk: Sdk) -> None:
         tracer = sdk.tracer_provider.get_tracer("server")
@@ -233,7 +251,7 @@ class TestSpans:
         with tracer.start_as_current_span("request") as span:
             sdk.telemetry.record_prefix_split(PrefixSplit(12, 30, 20, 10), request_span=span)
         (request,) = sdk.spans()
-        assert {k: v for k, v in request.attributes.items() if k.startswith("hicache.")} == {
+        assert {k: v for k, v in attributes_of(request).items() if k.startswith("hicache.")} == {
             "hicache.prefix.tokens.input": 12,
             "hicache.prefix.tokens.device_hit": 30,
             "hicache.prefix.tokens.host_hit": 20,
@@ -283,7 +301,7 @@ class TestTransferSites:
             (expected,), (span,) = with_record.spans(), at_site.spans()
             assert (span.name, span.start_time, span.end_time) == (expected.name, expected.start_time,
                                                                    expected.end_time)  # fmt: skip
-            assert dict(span.attributes) == dict(expected.attributes)
+            assert attributes_of(span) == attributes_of(expected)
             assert at_site.counters() == with_record.counters()
             durations, expected_durations = (s.points(sc.METRIC_TRANSFER_DURATION) for s in (at_site, with_record))
             assert durations.keys() == expected_durations.keys()
@@ -298,7 +316,7 @@ class TestTransferSites:
         site = sdk.telemetry.transfer_site(TransferOperation.LOAD_BACK, timing_source=TimingSource.CUDA_EVENT)
         sdk.telemetry.record_transfer_at(site, {"kv": 8}, 800, T0, T0 + 10)
         (span,) = sdk.spans()
-        assert span.attributes["hicache.timing.source"] == "none"
+        assert attributes_of(span)["hicache.timing.source"] == "none"
         assert sdk.points(sc.METRIC_TRANSFER_DURATION) == {}
         size = {sc.ATTR_OPERATION: "load_back", sc.ATTR_TIMING_SOURCE: "none"}
         assert sdk.value(sc.METRIC_TRANSFER_SIZE, size) == 800
@@ -331,7 +349,7 @@ class TestTransferSites:
         for _ in range(3):
             sdk.telemetry.record_transfer_at(site, {"kv": 1}, 100, T0, T0)
         assert sdk.counters()[sc.METRIC_RECORDS_NORMALIZED] == {("transfer", "bad_attribute"): 3}
-        assert all("hicache.write_policy" not in span.attributes for span in sdk.spans())
+        assert all("hicache.write_policy" not in attributes_of(span) for span in sdk.spans())
 
     def test_an_unknown_operation_or_timing_source_is_refused_when_the_site_is_made(self, sdk: Sdk) -> None:
         with pytest.raises(ValueError, match="unknown_operation"):
@@ -467,8 +485,8 @@ class TestNeverHarmTheHost:
         assert sdk.value(sc.METRIC_RECORDS_NORMALIZED, normalized) == 500
         assert len([r for r in caplog.records if "unknown_pool" in r.getMessage()]) == 1
         spans = sdk.spans()
-        assert spans[0].attributes["hicache.transfer.tokens.other"] == 1
-        assert not any(k.startswith("hicache.transfer.tokens.pool-") for s in spans for k in s.attributes)
+        assert attributes_of(spans[0])["hicache.transfer.tokens.other"] == 1
+        assert not any(k.startswith("hicache.transfer.tokens.pool-") for s in spans for k in attributes_of(s))
 
     def test_a_failing_pool_usage_source_is_counted_and_others_still_report(self, sdk: Sdk) -> None:
         def broken() -> list[PoolUsage]:
@@ -533,12 +551,7 @@ class TestDeferredRecords:
         sdk = make_sdk(flush_interval_s=3600)  # the worker will not run before we read
         for i in range(10):
             sdk.telemetry.record_transfer_deferred(self.build, (i, 100))
-        reader_value = {
-            frozenset(p.attributes.items()): p.value
-            for m in sdk.reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics
-            if m.name == sc.METRIC_TRANSFER_TOKENS
-            for p in m.data.data_points
-        }
+        reader_value = {k: p.value for k, p in _reader_points(sdk, sc.METRIC_TRANSFER_TOKENS).items()}
         assert reader_value[frozenset(op_pool("backup", "kv").items())] == 45
         assert sdk.telemetry.snapshot()[sc.METRIC_TRANSFER_SIZE][("backup", None, "cuda_event")] == 1000
         assert len(sdk.spans()) == 10
@@ -588,7 +601,7 @@ class TestDeferredRecords:
         sdk = make_sdk(max_queue=4)
         sdk.telemetry.record_transfer_deferred(hung, (1, 1))
         deadline = time.monotonic() + 5
-        while sdk.telemetry._deferred and time.monotonic() < deadline:  # the host thread took it and hangs in it
+        while sdk.telemetry._host.deferred and time.monotonic() < deadline:  # the host thread took it and hangs in it
             time.sleep(0.001)
         worst = 0.0
         for _ in range(20):  # a burst far past the queue
@@ -620,5 +633,24 @@ def test_token_metrics_off_leaves_out_every_instrument_counted_in_tokens_and_kee
     assert (
         sdk.value(sc.METRIC_TRANSFER_SIZE, {sc.ATTR_OPERATION: "backup", sc.ATTR_TIMING_SOURCE: "cuda_event"}) == 4096
     )
-    assert sdk.spans()[0].attributes["hicache.transfer.tokens.kv"] == 16  # the span still says what moved
+    assert attributes_of(sdk.spans()[0])["hicache.transfer.tokens.kv"] == 16  # the span still says what moved
     sdk.shutdown()
+
+
+@pytest.mark.parametrize("token_metrics", [True, False])
+def test_each_collection_is_prepared_once_whichever_instruments_the_rank_reports(token_metrics: bool) -> None:
+    """In-process, a collection first counts the deferred records and reads the pools (the emitter's
+    ``before_collect``). Was: only hicache.transfer.tokens' callback did, which a rank without token metrics lacks."""
+    layout = Layout([*sorted(sc.POOLS), sc.OTHER_POOL], ["kv"], HEADER_INTS)
+    channel = Channel(layout, 8, shared=False)
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    prepared: list[int] = []
+    emitter = Emitter(
+        channel.counters, None, provider, token_metrics=token_metrics, before_collect=lambda: prepared.append(1)
+    )
+    reader.get_metrics_data()
+    reader.get_metrics_data()
+    assert prepared == [1, 1]
+    del emitter
+    provider.shutdown()

@@ -18,7 +18,7 @@ from otel_hicache import semconv as sc
 from otel_hicache.records import EvictionRecord, PoolUsage, TransferFailure, TransferRecord
 from otel_hicache.semconv import Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
-from otel_hicache.testing.sdk import Sdk, make_sdk
+from otel_hicache.testing.sdk import Sdk, attributes_of, make_sdk
 
 T0 = 1_700_000_000_000_000_000
 
@@ -84,7 +84,7 @@ def test_a_mapping_that_changes_between_reads_is_read_once_and_counted_as_read(s
     snap = sdk.telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS]
     assert snap[("backup", "kv")] == 10 and snap[("backup", "other")] == 10  # never negative, no new pool name
     (span,) = sdk.spans()
-    assert span.attributes["hicache.transfer.tokens.kv"] == 10  # the span shows what was counted
+    assert attributes_of(span)["hicache.transfer.tokens.kv"] == 10  # the span shows what was counted
 
 
 def test_a_mapping_that_raises_half_way_is_refused_whole(sdk: Sdk, caplog: pytest.LogCaptureFixture) -> None:
@@ -132,7 +132,7 @@ def test_numpy_and_torch_scalars_become_plain_ints_and_floats(sdk: Sdk, caplog: 
         sdk.metrics()
     assert kv(sdk) == 1600
     assert len(spans) == 100
-    attrs = spans[0].attributes
+    attrs = attributes_of(spans[0])
     for name in ("hicache.transfer.tokens.kv", "hicache.transfer.tokens.swa", "hicache.transfer.byte_count",
                  "hicache.transfer.merged_ops", "hicache.transfer.nodes"):  # fmt: skip
         assert type(attrs[name]) is int, name
@@ -212,7 +212,7 @@ def test_a_pool_name_object_that_lies_about_itself_is_counted_under_our_own_name
     sdk.telemetry.record_transfer(backup({Liar("kv"): 4}))
     assert kv(sdk) == 4
     (span,) = sdk.spans()
-    assert "hicache.transfer.tokens.kv" in span.attributes
+    assert "hicache.transfer.tokens.kv" in attributes_of(span)
 
 
 def test_a_link_whose_ids_do_not_fit_the_wire_is_left_out(sdk: Sdk) -> None:
@@ -226,7 +226,7 @@ def test_a_link_whose_ids_do_not_fit_the_wire_is_left_out(sdk: Sdk) -> None:
 def test_a_link_whose_properties_call_back_into_the_telemetry_cannot_deadlock_it(sdk: Sdk) -> None:
     class Reentrant(SpanContext):
         @property
-        def trace_flags(self) -> TraceFlags:  # type: ignore[override]
+        def trace_flags(self) -> TraceFlags:
             sdk.telemetry.record_failure(TransferFailure(TransferOperation.BACKUP, "host_pool_full", {"kv": 1}, T0))
             return TraceFlags(TraceFlags.SAMPLED)
 
@@ -300,7 +300,12 @@ def test_a_slow_pool_source_or_span_processor_never_stretches_flush_or_shutdown_
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(Slow()))
     telemetry = HiCacheTelemetry(provider, flush_interval_s=3600)
-    telemetry.add_pool_usage_source(lambda: time.sleep(10) or [])
+
+    def slow_source() -> list[PoolUsage]:
+        time.sleep(10)
+        return []
+
+    telemetry.add_pool_usage_source(slow_source)
     for _ in range(500):
         telemetry.record_transfer(backup({"kv": 1}))
     start = time.monotonic()
@@ -311,7 +316,7 @@ def test_a_slow_pool_source_or_span_processor_never_stretches_flush_or_shutdown_
 
 def test_deferred_records_left_at_shutdown_are_counted_as_shed(sdk: Sdk) -> None:
     release = threading.Event()
-    sdk.telemetry.record_transfer_deferred(lambda _: release.wait(30) and backup({"kv": 1}), None)
+    sdk.telemetry.record_transfer_deferred(lambda _: backup({"kv": 1}) if release.wait(30) else None, None)
     time.sleep(0.1)  # the host thread is inside the hung build
     for _ in range(10):
         sdk.telemetry.record_transfer_deferred(lambda _: backup({"kv": 1}), None)

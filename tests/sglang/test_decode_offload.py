@@ -21,7 +21,7 @@ pytest.importorskip("sglang")
 from otel_hicache import semconv as sc
 from otel_hicache.integrations.sglang.hooks import AckQueue
 from otel_hicache.testing import free_port
-from otel_hicache.testing.sdk import Sdk
+from otel_hicache.testing.sdk import Sdk, attributes_of
 from otel_hicache.testing.sglang import FileStorage, pump
 
 pytestmark = pytest.mark.sglang
@@ -72,8 +72,8 @@ def test_decode_offload_acks_are_reported_as_backups_and_leave_nothing_remembere
     counters = {k: v for k, v in instrumented.counters()[sc.METRIC_TRANSFER_TOKENS].items() if v}
     assert counters == {("backup", "kv"): offloaded, ("storage_backup", "kv"): offloaded}
     (span,) = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.BACKUP])
-    assert span.attributes[sc.ATTR_TOKENS] == offloaded
-    assert span.attributes[sc.ATTR_BYTES] == offloaded * manager.decode_host_mem_pool.size_per_token
+    assert attributes_of(span)[sc.ATTR_TOKENS] == offloaded
+    assert attributes_of(span)[sc.ATTR_BYTES] == offloaded * manager.decode_host_mem_pool.size_per_token
     # The ack was seen leaving the controller's own (adopted) queue, and nothing is remembered of it.
     assert isinstance(cc.ack_write_queue, AckQueue) and cc.ack_write_queue.reporter is not None
     assert cc.ack_write_queue.reporter.submitted == {}

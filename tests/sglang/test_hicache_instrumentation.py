@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 
 from otel_hicache import semconv as sc
 from otel_hicache.summary import by_first
-from otel_hicache.testing.sdk import Sdk
+from otel_hicache.testing.sdk import Sdk, attributes_of
 from otel_hicache.testing.sglang import build_hicache
 
 pytestmark = pytest.mark.sglang
@@ -175,16 +175,19 @@ def test_round_trip_matches_sglang_metrics_and_acks(policy: str, instrumented: S
     spans = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.BACKUP]) + instrumented.spans(
         sc.SPAN_NAMES[sc.TransferOperation.LOAD_BACK]
     )
+
+    def per_pool_tokens(span: Any) -> list[tuple[str, Any]]:
+        prefix = f"{sc.ATTR_POOL_TOKENS}."
+        return sorted((k.rsplit(".", 1)[1], v) for k, v in attributes_of(span).items() if k.startswith(prefix))
+
     from_spans = sorted(
-        (sorted((k.rsplit(".", 1)[1], v) for k, v in s.attributes.items() if k.startswith(f"{sc.ATTR_POOL_TOKENS}.")),
-         s.attributes[sc.ATTR_BYTES], s.attributes[sc.ATTR_NODES])
-        for s in spans
-    )  # fmt: skip
+        (per_pool_tokens(s), attributes_of(s)[sc.ATTR_BYTES], attributes_of(s)[sc.ATTR_NODES]) for s in spans
+    )
     from_acks = sorted((sorted(a.num_tokens_by_pool.items()), a.num_bytes, len(a.node_ids)) for a in acks)
     assert from_spans == from_acks
     for span in spans:  # CPU events cannot time: no duration rather than a made-up one
-        assert span.attributes[sc.ATTR_TIMING_SOURCE] == "none"
-        assert sc.ATTR_COPY_DURATION not in span.attributes
+        assert attributes_of(span)[sc.ATTR_TIMING_SOURCE] == "none"
+        assert sc.ATTR_COPY_DURATION not in attributes_of(span)
         assert span.start_time <= span.end_time
 
 
@@ -196,11 +199,11 @@ def test_merged_backups_become_one_span_with_the_merged_op_count(instrumented: S
     tree.step()
 
     (span,) = instrumented.spans("hicache.backup")
-    assert span.attributes[sc.ATTR_MERGED_OPS] == 2
-    assert span.attributes[sc.ATTR_NODES] == 2
-    assert span.attributes[sc.ATTR_TOKENS] == len(SEQ_A) + len(SEQ_B)
-    assert span.attributes[sc.ATTR_WRITE_POLICY] == "write_through"
-    assert span.attributes[sc.ATTR_IO_BACKEND] == "direct"
+    assert attributes_of(span)[sc.ATTR_MERGED_OPS] == 2
+    assert attributes_of(span)[sc.ATTR_NODES] == 2
+    assert attributes_of(span)[sc.ATTR_TOKENS] == len(SEQ_A) + len(SEQ_B)
+    assert attributes_of(span)[sc.ATTR_WRITE_POLICY] == "write_through"
+    assert attributes_of(span)[sc.ATTR_IO_BACKEND] == "direct"
 
 
 def test_host_pressure_drop_under_write_back_matches_sglang(instrumented: Sdk, sglang_metrics: Any) -> None:
@@ -390,8 +393,8 @@ def test_acks_queued_before_instrumenting_are_reported_once_consumed(
         instrumentor.uninstrument()
 
     assert delta(sglang_values(), before)["backup_kv"] == otel_values(otel)["backup_kv"] == 20 + 30 + 10
-    spans = sorted(otel.spans("hicache.backup"), key=lambda s: s.attributes[sc.ATTR_TOKENS])
-    assert [s.attributes[sc.ATTR_TOKENS] for s in spans] == [10, 20, 30]
+    spans = sorted(otel.spans("hicache.backup"), key=lambda s: attributes_of(s)[sc.ATTR_TOKENS])
+    assert [attributes_of(s)[sc.ATTR_TOKENS] for s in spans] == [10, 20, 30]
     unknown = spans[1]  # SEQ_A's ack: its span starts when it was seen complete
     assert unknown.start_time == unknown.end_time
     assert all(s.start_time < s.end_time for s in (spans[0], spans[2]))

@@ -95,7 +95,7 @@ instrument, with one warning. (L3 and prefill series are not self-checked: see t
 prefill collector belongs to the scheduler, which no wrapper sees.)
 
 Cost on the scheduler thread: the completion checks are not wrapped (a check that consumes nothing costs nothing);
-each consumed ack costs one entry put on its queue's :class:`~otel_hicache.deferred.DeferredQueue`
+each consumed ack costs one entry put on its queue's :class:`~otel_hicache.telemetry.DeferredQueue`
 (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`), and the record is built and counted on the
 telemetry's host thread. ``.venv-sglang/bin/python -m benchmarks sglang`` measures the cost per ack against SGLang's
 own prometheus metrics, for both ways ``writing_check`` is called (see the README's Overhead table).

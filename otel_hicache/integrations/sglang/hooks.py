@@ -12,7 +12,7 @@ by an :class:`AckQueue` (a ``list``, with the same acks) whose ``pop`` and ``cle
 Every consumer of SGLang 0.5.23 is covered that way - ``writing_check`` (``pop(0)``; ``clear()`` under write-back),
 ``loading_check`` (``pop(0)``), PD decode's ``DecodeKVCacheOffloadManager._check_offload_progress`` (``pop(0)``) - and
 the checks themselves run unwrapped: a check that consumes nothing costs nothing, and a consumed ack costs its
-scheduler thread one entry put on a :class:`~otel_hicache.deferred.DeferredQueue` (two C calls); the record is built
+scheduler thread one entry put on a :class:`~otel_hicache.telemetry.DeferredQueue` (two C calls); the record is built
 and counted on the telemetry's host thread.
 
 An ack leaves a queue only through ``pop`` in SGLang 0.5.23 (and ``clear``); every other way a list can lose items
@@ -41,7 +41,6 @@ from typing import Any, SupportsIndex, cast
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from opentelemetry.trace import Span, SpanContext
 
-from otel_hicache.deferred import DeferredQueue
 from otel_hicache.integrations._base import (
     EngineHooks,
     ProcessSink,
@@ -74,7 +73,7 @@ from otel_hicache.semconv import (
     TimingSource,
     TransferOperation,
 )
-from otel_hicache.telemetry import HiCacheTelemetry
+from otel_hicache.telemetry import DeferredQueue, HiCacheTelemetry
 from otel_hicache.timing import ANCHOR, elapsed_seconds, now_ns
 
 _ENGINE = "SGLang HiCache"
@@ -93,7 +92,7 @@ _Links = dict[int, tuple[_Link, ...]]
 
 class AckQueue(list[Any]):  # SGLang's List[HiCacheAck]
     """A controller's ack queue as SGLang uses it (a ``list``; appending and reading are untouched) that hands each
-    ack leaving it to the telemetry's host thread: one entry put on a :class:`~otel_hicache.deferred.DeferredQueue`,
+    ack leaving it to the telemetry's host thread: one entry put on a :class:`~otel_hicache.telemetry.DeferredQueue`,
     two C calls. Detached (uninstrumented): a plain list."""
 
     __slots__ = ("__weakref__", "_closer", "_deferred", "reporter")

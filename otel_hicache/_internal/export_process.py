@@ -1,4 +1,4 @@
-"""The export process: builds spans and metrics from a host's channel and exports them, outside the host.
+"""The host's handle on its export process, which builds its spans and metrics and exports them outside the host.
 
 The host (:class:`ExportProcess`, a :class:`~otel_hicache.telemetry.Consumer`) launches it synchronously when its
 telemetry is configured (a few milliseconds: ``Popen`` of a launcher that forks and exits), so the exporter exists,
@@ -16,54 +16,33 @@ with ``kill_process_tree`` (SGLang) or SIGKILL does not take the exporter with i
   a launch proven gone is replaced (with back-off while launches keep failing), so one exporter reads a ring at a time.
   "The launcher exited, the exporter has not attached yet" is not dead.
 
-Its configuration (the host's ``OTEL_*`` variables, the Resource) reaches it in a memfd passed as a file descriptor:
+Its :class:`~otel_hicache._internal.plan.ExportPlan` (the host's ``OTEL_*`` variables, the Resource, the channel's
+layout) reaches it in a memfd passed as a file descriptor:
 no other user can read it (``ps`` shows file descriptor numbers only) and it has no size limit. Its standard input
 and output are ``/dev/null``: it holds none of the host's stdio, so a reader of the host's output sees end-of-file
 when the host exits. Where the host reaps orphans (PID 1 of a container, or a child subreaper) it reaps its exporters.
 
-The ring is the exporter's only queue: it builds spans from a batch of records with a processor that only collects
-them, exports them synchronously (as the SDK's batch processor would: ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` at a time,
-at least every ``OTEL_BSP_SCHEDULE_DELAY``) and then settles the slots. A span whose export fails is counted in
-``otel_hicache.records.dropped``; a replacement for a dead exporter sends again what its predecessor had not settled,
-under the same span and trace ids (an OTLP retry). Everything is exported under the host's Resource, and the
-exporter's threads and OTLP encoding never touch the host's GIL.
+What the export process does with the ring is :mod:`otel_hicache._internal.exporter`, its program; its threads and
+OTLP encoding never touch the host's GIL.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import logging
 import os
 import select
-import signal
 import subprocess
 import sys
 import threading
 import time
-import uuid
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from opentelemetry.context import Context
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.id_generator import IdGenerator
-
-from otel_hicache.channel import (
-    EXPORT_DROPPED,
-    EXPORTER_PID,
-    FLUSH_DONE,
-    FLUSH_REQ,
-    HEADER_INTS,
-    ID_SEED,
-    READ,
-    SETTLED,
-    Channel,
-)
+from otel_hicache._internal.channel import EXPORTER_PID, FLUSH_DONE, FLUSH_REQ, Channel
+from otel_hicache._internal.plan import LOG_LINE, MAX_LINE_BYTES, PID_LINE, ExportPlan
 
 _log = logging.getLogger(__name__)
 
@@ -75,31 +54,23 @@ _LAUNCHER = (
     "if pid:\n    os.write(2, b'\\x1fP%d\\n' % pid)\n    os._exit(0)\n"
     "os.execv(sys.executable, [sys.executable, '-c', *sys.argv[1:]])\n"
 )
-#: The exporter's first lines: its configuration, environment included, before anything reads the environment (the
-#: OTel API reads ``OTEL_PYTHON_CONTEXT`` on import).
+#: The exporter's first lines: its plan, environment included, before anything reads the environment (the OTel API
+#: reads ``OTEL_PYTHON_CONTEXT`` on import).
 _BOOT = (
-    "import json, os, sys\n"
+    "import os, sys\n"
     "fds = [int(fd) for fd in sys.argv[1].split(',')]\n"
-    "with os.fdopen(fds[2], 'rb') as f:\n    config = json.loads(f.read())\n"
-    "os.environ.update(config.pop('environment'))\n"
-    "from otel_hicache.export_process import main\n"
-    "main(fds[0], fds[1], config)\n"
+    "with os.fdopen(fds[2], 'rb') as f:\n    data = f.read()\n"
+    "from otel_hicache._internal.plan import ExportPlan\n"
+    "plan = ExportPlan.from_json(data)\n"
+    "os.environ.update(plan.environment)\n"
+    "from otel_hicache._internal.exporter import main\n"
+    "main(fds[0], fds[1], plan)\n"
 )
-#: How the liveness pipe's lines start: the launcher naming the exporter's pid, an exporter log record.
-_PID_LINE, _LOG_LINE = b"\x1fP", b"\x1fL"
-#: The longest line relayed (a longer one is cut).
-MAX_LINE_BYTES = 2000
-#: How often the exporter looks at the ring when the host sends nothing.
-POLL_INTERVAL_S = 0.1
-#: How much lower the exporter's CPU priority is than the host's (``nice``): it yields the cores to the scheduler.
-EXPORTER_NICENESS = 10
-#: The longest the exporter works on its last export after the host is gone.
-FINAL_TIMEOUT_S = 5.0
 #: A launch that ends (or fails to start) sooner than this counts as a failure: the next waits longer.
 LIVED_S = 10.0
 #: The longest wait before launching again while launches keep failing (0.5 s, then doubling).
 MAX_BACKOFF_S = 30.0
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class _Launch:
@@ -156,8 +127,8 @@ class ExportProcess:
     stay exact.
     """
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        self._config = config
+    def __init__(self, channel: Channel, plan: ExportPlan) -> None:
+        self._plan = plan.for_channel(channel.layout.pools, channel.layout.seed_pools, channel.capacity)
         self._channel: Channel | None = None
         self._launch: _Launch | None = None
         self._failures = 0
@@ -243,14 +214,12 @@ class ExportProcess:
         """The child gets its own exporter; closing the inherited pipe ends leaves the parent's running."""
         if self._launch is not None:
             self._launch.forget()
-        config = dict(self._config)
-        config["resource"] = child_resource(config["resource"])
-        return ExportProcess(config)
+        return ExportProcess(channel, self._plan.for_child())
 
     # ------------------------------------------------------------------ internals
     def _start(self, channel: Channel) -> None:
         try:
-            self._launch = _spawn(channel, self._config)
+            self._launch = _spawn(channel, self._plan)
         except Exception as exc:  # OSError (no fds, EAGAIN from fork), RuntimeError: never into the host
             self._failed()
             self._warn_once("start", "otel_hicache: could not start the export process (%r); retrying with back-off "
@@ -305,21 +274,21 @@ class ExportProcess:
             _log.warning(message, *args)
 
 
-def _spawn(channel: Channel, config: Mapping[str, Any]) -> _Launch:
+def _spawn(channel: Channel, plan: ExportPlan) -> _Launch:
     """Launch an exporter for ``channel``: returns once the launcher runs (it holds every descriptor the exporter
     needs). Raises OSError when a pipe, memfd or process cannot be had; closes whatever it opened."""
     assert channel.fd is not None
     opened: list[int] = []
     try:
-        settings_fd = _memory_file(json.dumps(config).encode())
-        opened.append(settings_fd)
+        plan_fd = _memory_file(plan.to_json())
+        opened.append(plan_fd)
         hang_r, hang_w = os.pipe()
         opened += (hang_r, hang_w)
         live_r, live_w = os.pipe()
         opened += (live_r, live_w)
         env = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}  # sent in the memfd
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        fds = (hang_r, channel.fd, settings_fd, live_w)
+        fds = (hang_r, channel.fd, plan_fd, live_w)
         launcher = subprocess.Popen(
             [sys.executable, "-S", "-c", _LAUNCHER, _BOOT, ",".join(map(str, fds))], pass_fds=fds, env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=live_w, start_new_session=True,
@@ -328,7 +297,7 @@ def _spawn(channel: Channel, config: Mapping[str, Any]) -> _Launch:
         for fd in opened:
             _close(fd)
         raise
-    for fd in (settings_fd, hang_r, live_w):  # the launcher has them now
+    for fd in (plan_fd, hang_r, live_w):  # the launcher has them now
         _close(fd)
     os.set_blocking(hang_w, False)
     os.set_blocking(live_r, False)
@@ -381,12 +350,12 @@ def _relay(launch: _Launch) -> bool:
 
 
 def _relay_line(launch: _Launch, line: bytes) -> None:
-    if line.startswith(_PID_LINE):
-        launch.pid = int(line[len(_PID_LINE) :] or 0)
+    if line.startswith(PID_LINE):
+        launch.pid = int(line[len(PID_LINE) :] or 0)
         return
     level = logging.WARNING  # anything the exporter's runtime printed itself
-    if line.startswith(_LOG_LINE):
-        number, _, line = line[len(_LOG_LINE) :].partition(b" ")
+    if line.startswith(LOG_LINE):
+        number, _, line = line[len(LOG_LINE) :].partition(b" ")
         level = int(number) if number.isdigit() else level
     if line.strip():
         text = line[:MAX_LINE_BYTES].decode("utf-8", "replace")
@@ -454,215 +423,3 @@ def _forget_left_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_left_in_child)
-
-
-def child_resource(attributes: Mapping[str, Any]) -> dict[str, Any]:
-    """A forked child's Resource: its own ``process.pid`` and ``service.instance.id``, the rest inherited."""
-    out = dict(attributes)
-    out["process.pid"] = os.getpid()
-    out["service.instance.id"] = str(uuid.uuid4())
-    return out
-
-
-# ---------------------------------------------------------------------- the exporter's side
-class OncePerLogger(logging.Filter):
-    """One line per logger: a dead collector gets one line, not one per export attempt (the SDK's own
-    ``otel.sdk.*`` metrics and ``otel_hicache.records.dropped`` count every lost span)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._seen: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.name in self._seen:
-            return False
-        self._seen.add(record.name)
-        return True
-
-
-#: The SDK loggers that speak once per failed export; :func:`quiet_exporters` lets one line of each through.
-EXPORTER_LOGGERS = (
-    "opentelemetry.exporter.otlp.proto.grpc.exporter",
-    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
-    "opentelemetry.sdk._shared_internal",
-    "opentelemetry.sdk.metrics._internal.export",
-)
-
-
-def quiet_exporters() -> None:
-    """A dead collector costs one log line per kind of failure, not one per export attempt (the export process's
-    own exporters: in a host, the loggers are the app's too)."""
-    for name in EXPORTER_LOGGERS:
-        logging.getLogger(name).addFilter(OncePerLogger())
-
-
-class _Relayed(logging.Handler):
-    """Log records as lines on standard error, which is the liveness pipe the host relays into its own logging; a
-    line the pipe cannot take now (the host is not reading, or gone) is dropped, never waited for."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            text = self.format(record).replace("\n", " | ").encode("utf-8", "replace")[:MAX_LINE_BYTES]
-            os.write(2, _LOG_LINE + b"%d %s\n" % (record.levelno, text))
-        except (OSError, ValueError):
-            pass
-
-
-class RingIds(IdGenerator):
-    """Span and trace ids from the ring: the slot's sequence number, keyed by the ring's seed. A replacement exporter
-    building a record again gives its span the ids it had (an OTLP retry, which a backend can deduplicate)."""
-
-    def __init__(self, seed: int) -> None:
-        self._key = seed.to_bytes(8, "little")
-        self._digest = bytes(24)
-
-    def at(self, sequence: int) -> None:
-        """The next span is that of the record at ``sequence``."""
-        self._digest = hashlib.blake2b(sequence.to_bytes(8, "little"), digest_size=24, key=self._key).digest()
-
-    def generate_trace_id(self) -> int:
-        return int.from_bytes(self._digest[:16], "big") or 1
-
-    def generate_span_id(self) -> int:
-        return int.from_bytes(self._digest[16:], "big") or 1
-
-
-class Collect(SpanProcessor):
-    """Keeps every ended span until taken: the export process sends them itself, synchronously."""
-
-    def __init__(self) -> None:
-        self.spans: list[ReadableSpan] = []
-
-    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        return None
-
-    def on_end(self, span: ReadableSpan) -> None:
-        self.spans.append(span)
-
-    def take(self) -> list[ReadableSpan]:
-        spans, self.spans = self.spans, []
-        return spans
-
-
-class _Sender:
-    """Builds the ring's records into spans and histogram points, and sends the spans: ``batch`` at a time, at least
-    every ``delay_s`` (the SDK batch processor's rule); then settles the slots. Only the main thread calls it."""
-
-    def __init__(self, channel: Channel, emit: Callable[[Any], None], ids: RingIds, collect: Collect,
-                 exporter: SpanExporter | None, batch: int, delay_s: float) -> None:  # fmt: skip
-        self._channel, self._emit, self._ids, self._collect = channel, emit, ids, collect
-        self._exporter, self._batch, self._delay_s = exporter, batch, delay_s
-        self._since = 0.0  # when the oldest span not sent was built
-
-    def build(self) -> None:
-        channel, ids = self._channel, self._ids
-        while True:
-            first = channel.ints[READ]
-            records = channel.take(512)
-            if not records:
-                break
-            for i, record in enumerate(records):
-                ids.at(first + i)
-                try:
-                    self._emit(record)
-                except Exception:
-                    _log.debug("emitting a record failed", exc_info=True)
-        if not self._collect.spans:
-            channel.settle()  # nothing waits to be sent: what was built is done with
-        elif not self._since:
-            self._since = time.monotonic()
-
-    def due(self) -> bool:
-        held = len(self._collect.spans)
-        return held >= self._batch or (held > 0 and time.monotonic() - self._since >= self._delay_s)
-
-    def send(self) -> None:
-        spans = self._collect.take()
-        ints = self._channel.ints
-        for at in range(0, len(spans), self._batch):
-            chunk: Sequence[ReadableSpan] = spans[at : at + self._batch]
-            try:
-                sent = self._exporter is not None and self._exporter.export(chunk) is SpanExportResult.SUCCESS
-            except Exception:
-                _log.debug("exporting spans failed", exc_info=True)
-                sent = False
-            if not sent:
-                ints[EXPORT_DROPPED] += len(chunk)
-        self._channel.settle()
-        self._since = 0.0
-
-
-def main(hangup_fd: int, channel_fd: int, config: dict[str, Any]) -> None:
-    os.set_blocking(2, False)
-    handler = _Relayed()
-    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-    logging.basicConfig(level=logging.WARNING, handlers=[handler])
-    logging.getLogger("otel_hicache.config").setLevel(logging.ERROR)  # the host warned about its settings already
-    quiet_exporters()
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the host
-    os.nice(EXPORTER_NICENESS)  # background work: on a busy host, the scheduler runs first
-
-    from otel_hicache.accumulation import Layout
-    from otel_hicache.export import Emitter
-    from otel_hicache.sdk import export_providers
-
-    channel = Channel(Layout(config["pools"], config["seed_pools"], HEADER_INTS), config["capacity"], shared=True,
-                      fd=channel_fd)  # fmt: skip
-    ints = channel.ints
-    ids, collect = RingIds(ints[ID_SEED]), Collect()
-    tracer_provider, meter_provider, span_exporter, settings = export_providers(config, collect, ids)
-    emitter = Emitter(channel.counters, tracer_provider, meter_provider, spans=config["spans"],
-                      token_metrics=config["token_metrics"])  # fmt: skip
-    sender = _Sender(channel, emitter.emit, ids, collect, span_exporter, settings.bsp_max_export_batch_size,
-                     settings.bsp_schedule_delay_ms / 1000)  # fmt: skip
-    ints[READ] = ints[SETTLED]  # what a predecessor took and never settled is built and sent again
-    ints[EXPORTER_PID] = os.getpid()
-    final_s = config.get("final_timeout_s", FINAL_TIMEOUT_S)
-    timeout_ms = int(final_s * 1000)
-
-    poke = threading.Event()
-    ending_lock = threading.Lock()
-    deadline = threading.Timer(final_s + 0.5, os._exit, args=(0,))
-    deadline.daemon = True
-
-    def ending() -> None:
-        """The host is gone (or SIGTERM): from now on the process has ``final_s`` to live, even if the main loop is
-        stuck in an export to a dead collector. Once, whether the pipe or the signal says it first."""
-        if ending_lock.acquire(blocking=False):
-            stop.set()
-            deadline.start()
-        poke.set()
-
-    def watch_host() -> None:
-        """Owns the hang-up pipe: a byte is a flush request; end of file means the host is gone."""
-        while os.read(hangup_fd, 4096):
-            poke.set()
-        ending()
-
-    signal.signal(signal.SIGTERM, lambda *_: ending())  # the container is going away: last export, then exit
-    threading.Thread(target=watch_host, name="otel-hicache-watch-host", daemon=True).start()
-    while not stop.is_set():
-        poke.wait(POLL_INTERVAL_S)
-        poke.clear()
-        sender.build()
-        request = ints[FLUSH_REQ]
-        if request > ints[FLUSH_DONE] and not stop.is_set():
-            sender.send()
-            meter_provider.force_flush(timeout_ms)
-            ints[FLUSH_DONE] = request
-        elif sender.due():
-            sender.send()
-
-    try:
-        sender.build()
-        if span_exporter is not None:  # half the time left for spans, whatever the collector does
-            cut_off = threading.Timer(final_s / 2, span_exporter.shutdown)
-            cut_off.daemon = True
-            cut_off.start()
-        sender.send()
-        meter_provider.force_flush(timeout_ms)
-    finally:
-        logging.shutdown()
-        os._exit(0)

@@ -342,18 +342,32 @@ def _transfer(
     )
 
 
-def failure(record: Any) -> tuple[TransferOperation, str]:
-    """``(operation, error.type)`` of a :class:`~otel_hicache.records.TransferFailure`."""
+class Failure(NamedTuple):
+    """A checked :class:`~otel_hicache.records.TransferFailure`: its series of ``hicache.transfer.failures``."""
+
+    operation: TransferOperation
+    error_type: str  # one of semconv.TRANSFER_ERRORS, or OTHER_ERROR
+
+
+def failure(record: Any) -> Failure:
+    """The operation and ``error.type`` of a :class:`~otel_hicache.records.TransferFailure`."""
     if not isinstance(record, TransferFailure):
         raise Rejected(Problem.MALFORMED)
     op = OPERATIONS.get(record.operation) if isinstance(record.operation, str) else None
     if op is None:
         raise Rejected(Problem.UNKNOWN_OPERATION)
-    return op, _ERRORS.get(record.error_type, sc.OTHER_ERROR)  # our own name, never the producer's object
+    return Failure(op, _ERRORS.get(record.error_type, sc.OTHER_ERROR))  # our own name, never the producer's object
 
 
-def drop(record: Any, known: Pools, corrections: list[Problem]) -> tuple[DropReason, list[tuple[str, int]]]:
-    """``(reason, tokens per pool)``; a reason we do not know is counted as ``other`` (noted in ``corrections``)."""
+class Drop(NamedTuple):
+    """A checked :class:`~otel_hicache.records.DropRecord`."""
+
+    reason: DropReason
+    tokens: list[tuple[str, int]]  # (pool, tokens), pools unique
+
+
+def drop(record: Any, known: Pools, corrections: list[Problem]) -> Drop:
+    """The reason and tokens per pool; a reason we do not know is counted as ``other`` (noted in ``corrections``)."""
     if not isinstance(record, DropRecord):
         raise Rejected(Problem.MALFORMED)
     try:
@@ -363,7 +377,7 @@ def drop(record: Any, known: Pools, corrections: list[Problem]) -> tuple[DropRea
     if reason is None:
         corrections.append(Problem.UNKNOWN_REASON)
         reason = DropReason.OTHER
-    return reason, pool_counts(record.tokens_by_pool, known, MAX_TOKENS, corrections)
+    return Drop(reason, pool_counts(record.tokens_by_pool, known, MAX_TOKENS, corrections))
 
 
 class Entry(NamedTuple):
@@ -442,14 +456,22 @@ def _flag(value: Any) -> bool | None:
     raise Rejected(Problem.MALFORMED)
 
 
-def kv_wait(record: Any) -> tuple[Tier, float, int]:
-    """``(tier, seconds, time)`` of a :class:`~otel_hicache.records.KvWait`; only host and storage serve KV."""
+class Wait(NamedTuple):
+    """A checked :class:`~otel_hicache.records.KvWait`."""
+
+    tier: Tier
+    seconds: float
+    time_ns: int
+
+
+def kv_wait(record: Any) -> Wait:
+    """A checked :class:`~otel_hicache.records.KvWait`; only host and storage serve KV."""
     if not isinstance(record, KvWait):
         raise Rejected(Problem.MALFORMED)
     tier = _member(TIERS, record.tier, Problem.UNKNOWN_TIER)
     if tier is Tier.DEVICE:
         raise Rejected(Problem.UNKNOWN_TIER)
-    return tier, duration(record.wait_s), count(record.time_ns, MAX_TIME_NS)
+    return Wait(tier, duration(record.wait_s), count(record.time_ns, MAX_TIME_NS))
 
 
 def prefix_split(record: Any, other_hit: Any = 0) -> dict[PrefillMode, int]:
@@ -463,9 +485,18 @@ def prefix_split(record: Any, other_hit: Any = 0) -> dict[PrefillMode, int]:
     return modes
 
 
-def pool_usages(entries: Iterable[Any], known: Pools, corrections: list[Problem]) -> list[tuple[Tier, str, int, int]]:
-    """``(tier, pool, used, limit)`` of each well-formed :class:`~otel_hicache.records.PoolUsage`; a bad entry
-    raises :class:`Rejected` for the whole reading of that source."""
+class Usage(NamedTuple):
+    """A checked :class:`~otel_hicache.records.PoolUsage`."""
+
+    tier: Tier
+    pool: str
+    used: int
+    limit: int
+
+
+def pool_usages(entries: Iterable[Any], known: Pools, corrections: list[Problem]) -> list[Usage]:
+    """Each well-formed :class:`~otel_hicache.records.PoolUsage` of one reading of a source; a bad entry raises
+    :class:`Rejected` for the whole reading."""
     out = []
     for usage in list(entries):
         if not isinstance(usage, PoolUsage):
@@ -477,5 +508,5 @@ def pool_usages(entries: Iterable[Any], known: Pools, corrections: list[Problem]
         used, limit = count(usage.used), count(usage.limit)
         if used > limit:
             raise Rejected(Problem.ABSURD_COUNT)
-        out.append((tier, pool, used, limit))
+        out.append(Usage(tier, pool, used, limit))
     return out

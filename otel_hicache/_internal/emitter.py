@@ -1,12 +1,14 @@
 """The export side: OTel instruments over the counter table, and spans and histogram points from ring records.
 
-:class:`Emitter` is the policy half of the pipeline (the ring in :mod:`otel_hicache.channel` is the mechanism, as the
-OTel SDK separates ``BatchProcessor`` from ``BatchSpanProcessor``). It runs wherever the records are consumed: in the
-export process (:mod:`otel_hicache.export_process`, the default when exporting over OTLP) or on a consumer thread of
-the host (the embedded default, and providers handed to :class:`~otel_hicache.telemetry.HiCacheTelemetry`).
+:class:`Emitter` is the policy half of the pipeline (the ring in :mod:`otel_hicache._internal.channel` is the mechanism,
+as the OTel SDK separates ``BatchProcessor`` from ``BatchSpanProcessor``). It runs wherever the records are consumed: in
+the export process (:mod:`otel_hicache._internal.export_process`, the default when exporting over OTLP) or on a consumer
+thread of the host (the embedded default, and providers handed to :class:`~otel_hicache.telemetry.HiCacheTelemetry`).
 
-Every instrument comes from one table, :data:`otel_hicache.semconv.INSTRUMENTS`: counters become observable counters
-reading the exact table, histograms get the table's buckets, pool gauges read the last pool reading.
+Every instrument comes from one table, :data:`otel_hicache.semconv.INSTRUMENTS`, and is read as its row's ``feed``
+says: counters are observable counters over the exact table, histograms get the row's buckets and are fed by the
+transfers' copy durations or by the points producers queue, pool gauges read the last pool reading. No instrument
+is special here beyond what its row declares.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import math
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 from opentelemetry import metrics, trace
@@ -22,8 +25,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link, NonRecordingSpan, Span
 
 from otel_hicache import semconv as sc
-from otel_hicache.accumulation import Counters
-from otel_hicache.channel import Points, Record
+from otel_hicache._internal.accumulation import Counters
+from otel_hicache._internal.channel import Points, Record
 from otel_hicache.records import TransferRecord
 from otel_hicache.version import __version__
 
@@ -55,37 +58,47 @@ class Emitter:
         self._spans = spans
         self._before_collect = before_collect
         meter = metrics.get_meter(sc.INSTRUMENTATION_SCOPE, __version__, meter_provider)
-        self._histograms: dict[str, Any] = {}
+        self._histograms: dict[str, tuple[Any, tuple[str, ...]]] = {}  # name: (histogram, attribute keys)
+        self._timed: list[Any] = []  # the histograms of each transfer's copy duration
+        # unbound, so that the emitter holds no reference to itself (a dropped telemetry is freed at once)
+        self._observers: dict[str, Callable[[Emitter, str], list[Observation]]] = {}
+        observers = {sc.Feed.COUNTERS: Emitter._counted, sc.Feed.POOL_USAGE: Emitter._usage,
+                     sc.Feed.POOL_LIMIT: Emitter._limit}  # fmt: skip
         for spec in sc.INSTRUMENTS:
             if spec.unit == sc.UNIT_TOKEN and not token_metrics:
                 continue
             if spec.kind == "histogram":
-                self._histograms[spec.name] = meter.create_histogram(
+                histogram = meter.create_histogram(
                     spec.name, spec.unit, spec.description, explicit_bucket_boundaries_advisory=spec.buckets
                 )
+                if spec.feed is sc.Feed.TRANSFERS:
+                    self._timed.append(histogram)
+                else:
+                    self._histograms[spec.name] = (histogram, spec.attributes)
                 continue
+            self._observers[spec.name] = observers[spec.feed]
             callback = _weak_callback(self, spec.name)
             if spec.kind == "counter":
                 meter.create_observable_counter(spec.name, [callback], spec.unit, spec.description)
             else:
                 meter.create_observable_up_down_counter(spec.name, [callback], spec.unit, spec.description)
-        self._transfer_duration = self._histograms[sc.METRIC_TRANSFER_DURATION]
+        #: The SDK calls the callbacks in the order the instruments were created: the first settles for all.
+        self._first = next(iter(self._observers), None)
 
     # ------------------------------------------------------------------ metrics read at collection
     def observe(self, name: str) -> list[Observation]:
         """The points of instrument ``name`` now (the callbacks of the observable instruments)."""
-        if name == sc.METRIC_POOL_USAGE:
-            return self._usage()
-        if name == sc.METRIC_POOL_LIMIT:
-            return self._limit()
-        if name == sc.METRIC_TRANSFER_TOKENS and self._before_collect is not None:
-            try:  # the first counter of a collection settles for all of them
+        if name == self._first and self._before_collect is not None:
+            try:
                 self._before_collect()
             except Exception:
                 _log.debug("otel_hicache: preparing a collection failed", exc_info=True)
+        return self._observers[name](self, name)
+
+    def _counted(self, name: str) -> list[Observation]:
         return [Observation(value, attrs) for value, attrs in self._counters.observations(name)]
 
-    def _usage(self) -> list[Observation]:
+    def _usage(self, name: str) -> list[Observation]:
         out = []
         for tier, pool, used, limit in self._counters.pools():
             base = {sc.ATTR_TIER: tier, sc.ATTR_POOL: pool}
@@ -93,7 +106,7 @@ class Emitter:
             out.append(Observation(limit - used, {**base, sc.ATTR_SLOT_STATE: sc.SlotState.FREE.value}))
         return out
 
-    def _limit(self) -> list[Observation]:
+    def _limit(self, name: str) -> list[Observation]:
         return [Observation(limit, {sc.ATTR_TIER: t, sc.ATTR_POOL: p}) for t, p, _, limit in self._counters.pools()]
 
     # ------------------------------------------------------------------ records
@@ -115,17 +128,16 @@ class Emitter:
             )
         if duration is not None:
             attrs = {sc.ATTR_OPERATION: op.value, sc.ATTR_TIMING_SOURCE: source.value}
-            if span is not None and span.is_recording():
-                with trace.use_span(span, end_on_exit=False):  # exemplars carry the transfer's trace id
-                    self._transfer_duration.record(duration, attrs)
-            else:
-                self._transfer_duration.record(duration, attrs)
+            recording = span is not None and span.is_recording()  # then exemplars carry the transfer's trace id
+            with trace.use_span(span, end_on_exit=False) if span is not None and recording else nullcontext():
+                for histogram in self._timed:
+                    histogram.record(duration, attrs)
         if span is not None:
             span.end(end_time=record.complete_time_ns)
 
     def _points(self, points: Points) -> None:
-        histogram = self._histograms[points.instrument]
-        attrs = {sc.ATTR_TIER: points.tier.value}
+        histogram, keys = self._histograms[points.instrument]
+        attrs = dict(zip(keys, points.key, strict=True))
         if points.context is None:
             for value in points.values:
                 histogram.record(value, attrs)

@@ -1,9 +1,9 @@
 """Exact accumulation: every counter series and pool gauge as one int64 slot in a fixed table.
 
-The attribute values are closed sets (operations, pools, reasons, ...), so every series a counter can ever have is
-known up front and gets a slot: the table's layout is derived from :data:`otel_hicache.semconv.INSTRUMENTS` and the
-pool list alone, and the host and the export process compute the same layout from the same pools. The table lives in
-memory both can see (:mod:`otel_hicache.channel`): the host adds into it under its lock, the exporter reads it at each
+The attribute values are closed sets (operations, pools, reasons, ...), so every series a counter can ever have is known
+up front and gets a slot: the table's layout is derived from :data:`otel_hicache.semconv.INSTRUMENTS` and the pool list
+alone, and the host and the export process compute the same layout from the same pools. The table lives in memory both
+can see (:mod:`otel_hicache._internal.channel`): the host adds into it under its lock, the exporter reads it at each
 collection, and what the host counted is there to export even after the host was SIGKILLed.
 """
 
@@ -23,6 +23,7 @@ _GAUGE_WIDTH = 3
 
 
 def _domains(pools: Sequence[str]) -> dict[str, tuple[Any, ...]]:
+    """The closed values of every attribute a series key holds, in a fixed order."""
     return {
         sc.ATTR_OPERATION: tuple(op.value for op in sc.TransferOperation),
         sc.ATTR_POOL: tuple(pools),
@@ -30,61 +31,42 @@ def _domains(pools: Sequence[str]) -> dict[str, tuple[Any, ...]]:
         sc.ATTR_ERROR_TYPE: (*sorted(sc.TRANSFER_ERRORS), sc.OTHER_ERROR),
         sc.ATTR_DROP_REASON: tuple(r.value for r in sc.DropReason),
         sc.ATTR_TIER: tuple(t.value for t in sc.Tier),
-        sc.ATTR_EVICTION_REUSED: (None, True, False),  # None: the producer does not know
+        sc.ATTR_EVICTION_REUSED: (True, False),
         sc.ATTR_PREFILL_MODE: tuple(m.value for m in sc.PrefillMode),
         sc.ATTR_RECORD_KIND: tuple(k.value for k in sc.RecordKind),
         sc.ATTR_PROBLEM: tuple(p.value for p in sc.Problem),
         sc.ATTR_INSTRUMENT: tuple(spec.name for spec in sc.INSTRUMENTS),
+        sc.ATTR_SLOT_STATE: tuple(state.value for state in sc.SlotState),
     }
-
-
-def _seeded(name: str, seed_pools: Sequence[str]) -> list[Key]:
-    """Series reported at 0 before anything happened (as SGLang pre-seeds its own), so rate() works from the start."""
-    ops = [op.value for op in sc.TransferOperation]
-    if name == sc.METRIC_TRANSFER_TOKENS:
-        return [(op, pool) for op in ops for pool in seed_pools]
-    if name == sc.METRIC_TRANSFER_SIZE:
-        return [(op, None, source.value) for op in ops for source in sc.TimingSource]
-    if name == sc.METRIC_DROPPED_TOKENS:
-        return [(reason.value, pool) for reason in _KNOWN_REASONS for pool in seed_pools]
-    if name == sc.METRIC_EVICTION_TOKENS:
-        return [(tier.value, reused) for tier in (sc.Tier.DEVICE, sc.Tier.HOST) for reused in (None, True, False)]
-    if name == sc.METRIC_PREFILL_TOKENS:
-        return [(mode.value,) for mode in sc.PrefillMode if mode is not sc.PrefillMode.OTHER]
-    if name == sc.METRIC_WASTED_SIZE:
-        return [(sc.TransferOperation.BACKUP.value,), (sc.TransferOperation.STORAGE_BACKUP.value,)]
-    return []
-
-
-#: Seeded drop reasons: "other" appears only when a producer reports a reason we do not know.
-_KNOWN_REASONS = tuple(reason for reason in sc.DropReason if reason is not sc.DropReason.OTHER)
 
 
 class Layout:
     """Where each series lives: ``slots[metric][key]`` is an index into the int64 table.
 
     ``pools`` is every pool name a record may carry after validation (``other`` included), in a fixed order;
-    ``seed_pools`` are the pools whose series are reported at 0 from the start.
+    ``seed_pools`` are the pools whose series are reported at 0 from the start. Each counter of
+    :data:`~otel_hicache.semconv.INSTRUMENTS` gets a slot per combination of its attributes' values (None too for an
+    attribute its row says is ``optional``); its row's ``seeds`` say which series are reported before they count.
+    ``domains`` are the closed values of each attribute.
     """
 
     def __init__(self, pools: Sequence[str], seed_pools: Sequence[str], first_slot: int = 0) -> None:
         self.pools = tuple(pools)
         self.seed_pools = tuple(p for p in seed_pools if p in self.pools)
-        domains = _domains(self.pools)
-        self.specs = {spec.name: spec for spec in sc.INSTRUMENTS if spec.kind == "counter"}
+        self.domains = domains = _domains(self.pools)
+        self.specs = {spec.name: spec for spec in sc.INSTRUMENTS if spec.feed is sc.Feed.COUNTERS}
         self.slots: dict[str, dict[Key, int]] = {}
         self.seeded: dict[str, frozenset[Key]] = {}
         slot = first_slot
         for name, spec in self.specs.items():
-            values = [domains[attr] for attr in spec.attributes]
-            if name == sc.METRIC_TRANSFER_SIZE:  # producers that know only a total report no pool
-                values[spec.attributes.index(sc.ATTR_POOL)] = (None, *self.pools)
+            values = [(None, *domains[a]) if a in spec.optional else domains[a] for a in spec.attributes]
             table = {}
             for key in itertools.product(*values):
                 table[key] = slot
                 slot += 1
             self.slots[name] = table
-            self.seeded[name] = frozenset(_seeded(name, self.seed_pools))
+            seeds = [self.seed_pools if seed is sc.SEED_POOLS else seed for seed in spec.seeds]
+            self.seeded[name] = frozenset(itertools.product(*seeds)) if seeds else frozenset()
         self.gauge_base = slot
         self.tiers = domains[sc.ATTR_TIER]
         self.gauges = {(tier, pool): slot + i * _GAUGE_WIDTH for i, (tier, pool) in

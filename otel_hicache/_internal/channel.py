@@ -4,10 +4,11 @@ Layout (all int64-aligned)::
 
     header (HEADER_INTS int64)  |  counter table + pool gauges (accumulation.Layout)  |  record ring (slots)
 
-* The **counter table** holds every counter series exactly (:mod:`otel_hicache.accumulation`).
+* The **counter table** holds every counter series exactly (:mod:`otel_hicache._internal.accumulation`).
 * The **record ring** is a bounded single-producer / single-consumer queue of fixed-size slots: the host packs each
-  transfer (for its span and histogram point) and the histogram points of other records (eviction durations and
-  ages, request KV waits: :class:`Points`, several values to a slot) into the next free slots; when the ring is full
+  transfer (for its span and histogram point) and the histogram points of other records (every histogram whose row
+  in :data:`~otel_hicache.semconv.INSTRUMENTS` says ``feed=POINTS``: :class:`Points`, several values to a slot) into
+  the next free slots; when the ring is full
   the record's span and points are shed and counted, never waited for. The producer publishes a slot by
   advancing ``WRITE`` after writing it; the consumer advances ``READ`` after decoding and ``SETTLED`` once what it
   built from the slots is exported (or counted as lost). A slot is free again only once settled, so an exporter that
@@ -34,9 +35,9 @@ from typing import Any, NamedTuple
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache.accumulation import Counters, Key, Layout
+from otel_hicache._internal.accumulation import Counters, Key, Layout
+from otel_hicache._internal.validation import MAX_LABEL_BYTES, Link, Transfer
 from otel_hicache.records import TransferRecord
-from otel_hicache.validation import MAX_LABEL_BYTES, Link, Transfer
 
 # header slots
 MAGIC, WRITE, READ, SETTLED, FLUSH_REQ, FLUSH_DONE, EXPORTER_PID, EXPORT_DROPPED, ID_SEED = range(9)
@@ -44,17 +45,19 @@ HEADER_INTS = 16
 _MAGIC = 0x4849434143484531  # "HICACHE1"
 
 _KIND_TRANSFER, _KIND_POINTS = 1, 2
-#: The histograms whose points travel as :class:`Points`: every histogram attributed by tier alone.
-POINT_INSTRUMENTS: tuple[str, ...] = tuple(
-    spec.name for spec in sc.INSTRUMENTS if spec.kind == "histogram" and spec.attributes == (sc.ATTR_TIER,)
-)
-_POINT_INDEX = {name: i for i, name in enumerate(POINT_INSTRUMENTS)}
+#: The histograms whose points travel as :class:`Points`, with their attribute keys.
+POINT_INSTRUMENTS: dict[str, tuple[str, ...]] = {
+    spec.name: spec.attributes for spec in sc.INSTRUMENTS if spec.feed is sc.Feed.POINTS
+}
+_POINT_NAMES = list(POINT_INSTRUMENTS)
+_POINT_INDEX = {name: i for i, name in enumerate(_POINT_NAMES)}
+#: Where a Points slot keeps the index of each attribute's value: the header bytes it does not use otherwise.
+_POINT_ATTRIBUTE_BYTES = (2, 3, 5)
+assert all(len(keys) <= len(_POINT_ATTRIBUTE_BYTES) for keys in POINT_INSTRUMENTS.values())
 _OPS = list(sc.TransferOperation)
 _OP_INDEX = {op: i for i, op in enumerate(_OPS)}
 _SOURCES = list(sc.TimingSource)
 _SOURCE_INDEX = {s: i for i, s in enumerate(_SOURCES)}
-_TIERS = list(sc.Tier)
-_TIER_INDEX = {t: i for i, t in enumerate(_TIERS)}
 
 # kind, operation|tier, timing source, pools, links, label lengths; times, duration (NaN: none), bytes, counts
 _FIXED = struct.Struct(f"<7Bx qqd qqq {MAX_LABEL_BYTES}s{MAX_LABEL_BYTES}s")
@@ -64,11 +67,12 @@ _VALUE = struct.Struct("<d")
 
 
 class Points(NamedTuple):
-    """Histogram points of one instrument and tier, as the consumer decodes them (the exporter's record).
-    ``context``: the span the points belong to (a request's), for exemplars; None when there is none."""
+    """Histogram points of one instrument and series, as the consumer decodes them (the exporter's record).
+    ``key``: the values of the instrument's attributes, in its row's order; ``context``: the span the points belong
+    to (a request's), for exemplars; None when there is none."""
 
     instrument: str
-    tier: sc.Tier
+    key: tuple[Any, ...]
     values: tuple[float, ...]
     context: SpanContext | None
 
@@ -111,6 +115,9 @@ class Channel:
         self.bytes = memoryview(self._map)
         self.counters = ChannelCounters(layout, self.ints)
         self._pool_index = {pool: i for i, pool in enumerate(layout.pools)}
+        values = {attr: {value: i for i, value in enumerate(domain)} for attr, domain in layout.domains.items()}
+        self._point_values = {name: [values[attr] for attr in keys] for name, keys in POINT_INSTRUMENTS.items()}
+        self._point_domains = {name: [layout.domains[a] for a in keys] for name, keys in POINT_INSTRUMENTS.items()}
         self._labels: dict[str | None, bytes] = {None: b""}
         if attach:
             if self.ints[MAGIC] != _MAGIC:
@@ -157,13 +164,12 @@ class Channel:
 
     # ------------------------------------------------------------------ producer (host, under its lock)
     def _label(self, value: str | None) -> bytes:
-        encoded = self._labels.get(value)
-        if encoded is None:
-            # cut between characters: half of one would reach the span as U+FFFD
-            cut = value.encode("utf-8", "replace")[:MAX_LABEL_BYTES] if value else b""
-            encoded = cut.decode("utf-8", "ignore").encode("utf-8")
-            if len(self._labels) < 256:  # write policies and io backends are a handful of names
-                self._labels[value] = encoded
+        """A label as the ring holds it, cut between characters (half of one would reach the span as U+FFFD); kept
+        for the next record (write policies and io backends are a handful of names)."""
+        cut = value.encode("utf-8", "replace")[:MAX_LABEL_BYTES] if value else b""
+        encoded = cut.decode("utf-8", "ignore").encode("utf-8")
+        if len(self._labels) < 256:
+            self._labels[value] = encoded
         return encoded
 
     def put_transfer(self, t: Transfer) -> bool:
@@ -174,8 +180,7 @@ class Channel:
             return False
         buf, index, labels = self.bytes, self._pool_index, self._labels
         offset = self.ring_offset + (write % self.capacity) * self.slot
-        (op, tokens, num_bytes, by_pool, start, end, duration, source, merged, nodes, policy, backend, links,
-         _) = t  # fmt: skip
+        tokens, by_pool, links = t.tokens, t.bytes_by_pool, t.links
         at = offset + _FIXED.size
         if by_pool is None:  # the common case, packed without an intermediate list
             n_pools = len(tokens)
@@ -193,24 +198,34 @@ class Channel:
         for trace_id, span_id, flags, remote in links:
             _LINK.pack_into(buf, at, trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"), flags, remote)
             at += _LINK.size
-        _FIXED.pack_into(buf, offset, _KIND_TRANSFER, _OP_INDEX[op], _SOURCE_INDEX[source], n_pools, len(links),
-                         by_pool is not None, 0, start, end, math.nan if duration is None else duration, num_bytes,
-                         merged, nodes, labels.get(policy) or self._label(policy),
-                         labels.get(backend) or self._label(backend))  # fmt: skip
+        policy, backend, duration = labels.get(t.write_policy), labels.get(t.io_backend), t.copy_duration_s
+        if policy is None:
+            policy = self._label(t.write_policy)
+        if backend is None:
+            backend = self._label(t.io_backend)
+        _FIXED.pack_into(buf, offset, _KIND_TRANSFER, _OP_INDEX[t.operation], _SOURCE_INDEX[t.timing_source], n_pools,
+                         len(links), by_pool is not None, 0, t.submit_time_ns, t.complete_time_ns,
+                         math.nan if duration is None else duration, t.num_bytes, t.merged_ops, t.node_count, policy,
+                         backend)  # fmt: skip
         self.ints[WRITE] = write + 1
         return True
 
-    def put_points(self, instrument: str, tier: sc.Tier, values: Sequence[float], time_ns: int,
-                   context: Link | None = None) -> bool:  # fmt: skip
-        """Pack histogram points (``values_per_slot`` to a slot); all of them or none: False when the ring has no
-        room for them all."""
+    def put_points(
+        self, instrument: str, key: Sequence[Any], values: Sequence[float], time_ns: int, context: Link | None = None
+    ) -> bool:
+        """Pack histogram points of the series ``key`` (its attributes' values; ``values_per_slot`` to a slot); all of
+        them or none: False when the ring has no room for them all. KeyError for a value outside its attribute's
+        closed set."""
         per = self.values_per_slot
         needed = -(-len(values) // per)
         ints = self.ints
         write: int = ints[WRITE]
         if write + needed - ints[SETTLED] > self.capacity:
             return False
-        buf, which, where = self.bytes, _POINT_INDEX[instrument], _TIER_INDEX[tier]
+        buf, which = self.bytes, _POINT_INDEX[instrument]
+        header = [_KIND_POINTS, which, 0, 0, context is not None, 0, 0]
+        for at_byte, index, value in zip(_POINT_ATTRIBUTE_BYTES, self._point_values[instrument], key, strict=False):
+            header[at_byte] = index[value]
         for first in range(0, len(values), per):
             chunk = values[first : first + per]
             offset = self.ring_offset + (write % self.capacity) * self.slot
@@ -222,8 +237,7 @@ class Channel:
             for value in chunk:
                 _VALUE.pack_into(buf, at, value)
                 at += _VALUE.size
-            _FIXED.pack_into(buf, offset, _KIND_POINTS, which, where, 0, context is not None, 0, 0, time_ns, time_ns,
-                             math.nan, len(chunk), 0, 0, b"", b"")  # fmt: skip
+            _FIXED.pack_into(buf, offset, *header, time_ns, time_ns, math.nan, len(chunk), 0, 0, b"", b"")
             write += 1
         ints[WRITE] = write
         return True
@@ -247,8 +261,9 @@ class Channel:
 
     def _decode(self, offset: int) -> Record:
         buf, pools = self.bytes, self.layout.pools
+        fields = _FIXED.unpack_from(buf, offset)
         (kind, which, source, n_pools, n_links, split, _, start, end, duration, num_bytes, merged, nodes, policy,
-         backend) = _FIXED.unpack_from(buf, offset)  # fmt: skip
+         backend) = fields  # fmt: skip
         at = offset + _FIXED.size
         if kind == _KIND_POINTS:
             context = None
@@ -256,7 +271,9 @@ class Channel:
                 context = _context(buf, at)
                 at += _LINK.size
             values = tuple(_VALUE.unpack_from(buf, at + i * _VALUE.size)[0] for i in range(num_bytes))
-            return Points(POINT_INSTRUMENTS[which], _TIERS[source], values, context)
+            name = _POINT_NAMES[which]
+            domains = zip(self._point_domains[name], _POINT_ATTRIBUTE_BYTES, strict=False)
+            return Points(name, tuple(domain[fields[at_byte]] for domain, at_byte in domains), values, context)
         tokens: dict[str, int] = {}
         by_pool: dict[str, int] = {}
         for _ in range(n_pools):

@@ -1,0 +1,271 @@
+"""The export process's program: builds a host's spans and metrics from its channel and exports them.
+
+Launched by the host's handle (:class:`~otel_hicache._internal.export_process.ExportProcess`, which describes the
+process's life: the launch, the pipes, the handover); its boot line reads the :class:`~otel_hicache._internal.plan.
+ExportPlan` and calls :func:`main`. The ring is the exporter's only queue: it builds spans from a batch of records
+with a processor that only collects them, exports them synchronously (as the SDK's batch processor would:
+``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` at a time, at least every ``OTEL_BSP_SCHEDULE_DELAY``) and then settles the slots. A
+span whose export fails is counted in ``otel_hicache.records.dropped``; a replacement for a dead exporter sends again
+what its predecessor had not settled, under the same span and trace ids (an OTLP retry). Everything is exported under
+the host's Resource, with the providers :mod:`otel_hicache._internal.providers` builds for ``configure()`` too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+
+from otel_hicache._internal.accumulation import Layout
+from otel_hicache._internal.channel import (
+    EXPORT_DROPPED,
+    EXPORTER_PID,
+    FLUSH_DONE,
+    FLUSH_REQ,
+    HEADER_INTS,
+    ID_SEED,
+    READ,
+    SETTLED,
+    Channel,
+)
+from otel_hicache._internal.emitter import Emitter
+from otel_hicache._internal.plan import LOG_LINE, MAX_LINE_BYTES, ExportPlan
+from otel_hicache._internal.providers import build
+from otel_hicache.config import validate
+
+_log = logging.getLogger(__name__)
+
+#: How often the exporter looks at the ring when the host sends nothing.
+POLL_INTERVAL_S = 0.1
+#: How much lower the exporter's CPU priority is than the host's (``nice``): it yields the cores to the scheduler.
+EXPORTER_NICENESS = 10
+#: The longest the exporter works on its last export after the host is gone.
+FINAL_TIMEOUT_S = 5.0
+
+
+class OncePerLogger(logging.Filter):
+    """One line per logger: a dead collector gets one line, not one per export attempt (the SDK's own
+    ``otel.sdk.*`` metrics and ``otel_hicache.records.dropped`` count every lost span)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name in self._seen:
+            return False
+        self._seen.add(record.name)
+        return True
+
+
+#: The SDK loggers that speak once per failed export; :func:`quiet_exporters` lets one line of each through.
+EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+    "opentelemetry.sdk._shared_internal",
+    "opentelemetry.sdk.metrics._internal.export",
+)
+
+
+def quiet_exporters() -> None:
+    """A dead collector costs one log line per kind of failure, not one per export attempt (the export process's
+    own exporters: in a host, the loggers are the app's too)."""
+    for name in EXPORTER_LOGGERS:
+        logging.getLogger(name).addFilter(OncePerLogger())
+
+
+class _Relayed(logging.Handler):
+    """Log records as lines on standard error, which is the liveness pipe the host relays into its own logging; a
+    line the pipe cannot take now (the host is not reading, or gone) is dropped, never waited for."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record).replace("\n", " | ").encode("utf-8", "replace")[:MAX_LINE_BYTES]
+            os.write(2, LOG_LINE + b"%d %s\n" % (record.levelno, text))
+        except (OSError, ValueError):
+            pass
+
+
+class RingIds(IdGenerator):
+    """Span and trace ids from the ring: the slot's sequence number, keyed by the ring's seed. A replacement exporter
+    building a record again gives its span the ids it had (an OTLP retry, which a backend can deduplicate)."""
+
+    def __init__(self, seed: int) -> None:
+        self._key = seed.to_bytes(8, "little")
+        self._digest = bytes(24)
+
+    def at(self, sequence: int) -> None:
+        """The next span is that of the record at ``sequence``."""
+        self._digest = hashlib.blake2b(sequence.to_bytes(8, "little"), digest_size=24, key=self._key).digest()
+
+    def generate_trace_id(self) -> int:
+        return int.from_bytes(self._digest[:16], "big") or 1
+
+    def generate_span_id(self) -> int:
+        return int.from_bytes(self._digest[16:], "big") or 1
+
+
+class Collect(SpanProcessor):
+    """Keeps every ended span until taken: the export process sends them itself, synchronously."""
+
+    def __init__(self) -> None:
+        self.spans: list[ReadableSpan] = []
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        return None
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.spans.append(span)
+
+    def take(self) -> list[ReadableSpan]:
+        spans, self.spans = self.spans, []
+        return spans
+
+
+class _Sender:
+    """Builds the ring's records into spans and histogram points, and sends the spans to every exporter: ``batch`` at
+    a time, at least every ``delay_s`` (the SDK batch processor's rule); then settles the slots. A span an exporter
+    did not take is counted as dropped once. Only the main thread calls it."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        emit: Callable[[Any], None],
+        ids: RingIds,
+        collect: Collect,
+        exporters: Sequence[SpanExporter],
+        batch: int,
+        delay_s: float,
+    ) -> None:
+        self._channel, self._emit, self._ids, self._collect = channel, emit, ids, collect
+        self._exporters, self._batch, self._delay_s = exporters, batch, delay_s
+        self._since = 0.0  # when the oldest span not sent was built
+
+    def build(self) -> None:
+        channel, ids = self._channel, self._ids
+        while True:
+            first = channel.ints[READ]
+            records = channel.take(512)
+            if not records:
+                break
+            for i, record in enumerate(records):
+                ids.at(first + i)
+                try:
+                    self._emit(record)
+                except Exception:
+                    _log.debug("emitting a record failed", exc_info=True)
+        if not self._collect.spans:
+            channel.settle()  # nothing waits to be sent: what was built is done with
+        elif not self._since:
+            self._since = time.monotonic()
+
+    def due(self) -> bool:
+        held = len(self._collect.spans)
+        return held >= self._batch or (held > 0 and time.monotonic() - self._since >= self._delay_s)
+
+    def send(self) -> None:
+        spans = self._collect.take()
+        ints = self._channel.ints
+        for at in range(0, len(spans), self._batch):
+            chunk: Sequence[ReadableSpan] = spans[at : at + self._batch]
+            sent = [_export(exporter, chunk) for exporter in self._exporters]
+            if not all(sent):
+                ints[EXPORT_DROPPED] += len(chunk)
+        self._channel.settle()
+        self._since = 0.0
+
+
+def _export(exporter: SpanExporter, spans: Sequence[ReadableSpan]) -> bool:
+    try:
+        return exporter.export(spans) is SpanExportResult.SUCCESS
+    except Exception:
+        _log.debug("exporting spans failed", exc_info=True)
+        return False
+
+
+def main(hangup_fd: int, channel_fd: int, plan: ExportPlan) -> None:
+    """The export process: serve the channel ``channel_fd`` until the host hangs up ``hangup_fd`` (or SIGTERM)."""
+    os.set_blocking(2, False)
+    handler = _Relayed()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.getLogger("otel_hicache.config").setLevel(logging.ERROR)  # the host warned about its settings already
+    quiet_exporters()
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the host
+    os.nice(EXPORTER_NICENESS)  # background work: on a busy host, the scheduler runs first
+
+    channel = Channel(Layout(plan.pools, plan.seed_pools, HEADER_INTS), plan.capacity, shared=True, fd=channel_fd)
+    ints = channel.ints
+    ids, collect = RingIds(ints[ID_SEED]), Collect()
+    settings = validate(
+        os.environ, endpoint=plan.endpoint, protocol=plan.protocol, cardinality_limit=plan.cardinality_limit
+    )  # the host's OTEL_* variables are this process's environment, its arguments in the plan
+    metrics_side, traces_side = build(settings, Resource(plan.resource), collect=collect, id_generator=ids)
+    tracer_provider, meter_provider = traces_side.tracer_provider, metrics_side.meter_provider
+    emitter = Emitter(
+        channel.counters, tracer_provider, meter_provider, spans=plan.spans, token_metrics=plan.token_metrics
+    )
+    batch, delay_s = settings.bsp_max_export_batch_size, settings.bsp_schedule_delay_ms / 1000
+    sender = _Sender(channel, emitter.emit, ids, collect, traces_side.span_exporters, batch, delay_s)
+    ints[READ] = ints[SETTLED]  # what a predecessor took and never settled is built and sent again
+    ints[EXPORTER_PID] = os.getpid()
+    final_s = FINAL_TIMEOUT_S
+    timeout_ms = int(final_s * 1000)
+
+    poke = threading.Event()
+    ending_lock = threading.Lock()
+    deadline = threading.Timer(final_s + 0.5, os._exit, args=(0,))
+    deadline.daemon = True
+
+    def ending() -> None:
+        """The host is gone (or SIGTERM): from now on the process has ``final_s`` to live, even if the main loop is
+        stuck in an export to a dead collector. Once, whether the pipe or the signal says it first."""
+        if ending_lock.acquire(blocking=False):
+            stop.set()
+            deadline.start()
+        poke.set()
+
+    def watch_host() -> None:
+        """Owns the hang-up pipe: a byte is a flush request; end of file means the host is gone."""
+        while os.read(hangup_fd, 4096):
+            poke.set()
+        ending()
+
+    signal.signal(signal.SIGTERM, lambda *_: ending())  # the container is going away: last export, then exit
+    threading.Thread(target=watch_host, name="otel-hicache-watch-host", daemon=True).start()
+    while not stop.is_set():
+        poke.wait(POLL_INTERVAL_S)
+        poke.clear()
+        sender.build()
+        request = ints[FLUSH_REQ]
+        if request > ints[FLUSH_DONE] and not stop.is_set():
+            sender.send()
+            meter_provider.force_flush(timeout_ms)
+            ints[FLUSH_DONE] = request
+        elif sender.due():
+            sender.send()
+
+    try:
+        sender.build()
+        for span_exporter in traces_side.span_exporters:  # half the time left for spans, whatever the collector does
+            cut_off = threading.Timer(final_s / 2, span_exporter.shutdown)
+            cut_off.daemon = True
+            cut_off.start()
+        sender.send()
+        meter_provider.force_flush(timeout_ms)
+    finally:
+        logging.shutdown()
+        os._exit(0)

@@ -1,0 +1,469 @@
+"""The host-side worker of a telemetry: its host thread, what runs on it, and the telemetry's life across fork.
+
+One thread per telemetry (:data:`HOST_THREAD_NAME`), started by the first record (or deferred queue, pool source,
+engine check; over OTLP by the constructor). Each round (:meth:`HostWorker.work`) it
+
+* builds deferred records, each queue oldest first, in slices of :data:`SLICE_NS` (twice that with a backlog);
+* reads the pool-usage sources and runs the engine checks about once a second (:data:`POOL_INTERVAL_S`);
+* tends the consumer about once a second (:data:`TEND_INTERVAL_S`): moves the counters into shared memory once it can
+  be had, relays the export process's log lines, replaces an exporter that died;
+* in-process, turns the ring's records into spans and points in slices, at least every flush interval.
+
+It ticks every :data:`DEFERRED_TICK_S` while it has deferred records or sources to serve (else every
+:data:`TEND_INTERVAL_S`) and pauses :data:`PAUSE_S` after a busy round, so the scheduler thread gets the GIL back.
+Reads of the counters wait (bounded) for what is queued to be built (:meth:`HostWorker.settle`). ``fork``: the child
+starts from zero as its own process (its own table, ring, thread and exporter); the parent stays exact; no lock is
+inherited held. What cannot be had (a thread, shared memory) never raises into the caller: it is logged once and
+tried again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, ParamSpec
+
+from otel_hicache._internal import validation
+from otel_hicache._internal.channel import Channel
+from otel_hicache._internal.consumers import Consumer
+from otel_hicache._internal.counting import Tally
+from otel_hicache._internal.deferred import Build, DeferredQueue
+from otel_hicache._internal.validation import Rejected
+from otel_hicache.records import PoolUsage, TransferRecord
+from otel_hicache.semconv import Problem, RecordKind
+
+#: How long a host thread works before pausing so the scheduler thread can take the GIL (the record in hand is
+#: finished first: a round that starts cold lasts about twice this).
+SLICE_NS = 50_000
+#: Deferred records waiting, as a share of ``max_queue``, past which a round works twice as long: a scheduler thread
+#: that seldom releases the GIL hands it over once per switch interval (5 ms), and shedding is worse than a longer
+#: round.
+BACKLOG_SHARE = 0.25
+#: The pause; long enough for a thread waiting on the GIL to be woken and take it.
+PAUSE_S = 0.0002
+#: How often the host thread looks for deferred records to build. Every wake costs the scheduler thread (a hand-over
+#: of the GIL, caches both threads find cold), so fewer wakes with more records each cost it less; what a SIGKILL
+#: loses is at most one tick of consumed acks (``benchmarks sigkill``).
+DEFERRED_TICK_S = 0.05
+#: The host thread's name (what a profiler or py-spy shows).
+HOST_THREAD_NAME = "otel-hicache-host"
+#: How often the host thread reads the pool-usage sources.
+POOL_INTERVAL_S = 1.0
+#: How long a read of the counters (snapshot, collection) waits for deferred records to be counted.
+SETTLE_TIMEOUT_S = 1.0
+#: How often the host thread tends the export process (relays its log lines, replaces it if it died), and how long
+#: the host thread sleeps when it has nothing else to do.
+TEND_INTERVAL_S = 1.0
+#: How long after a failed start (no thread could be had) the next record tries again.
+RETRY_START_S = 1.0
+
+PoolSource = Callable[[], Iterable[PoolUsage]]
+#: An engine self-check: the names of our instruments whose totals disagree with the engine's own counters.
+EngineCheck = Callable[[], Iterable[str]]
+_P = ParamSpec("_P")
+_log = logging.getLogger("otel_hicache.telemetry")
+
+
+class HostWorker:
+    """The host thread of one telemetry and everything it serves (see the module docstring).
+
+    ``count``: how a deferred record that was built is counted (the telemetry's ``record_transfer``, held weakly);
+    ``shared``: the consumer is another process, which maps the channel (else it is private memory).
+    :meth:`attach` hands it the consumer, built on :attr:`channel`.
+    """
+
+    def __init__(
+        self,
+        tally: Tally,
+        count: Callable[[TransferRecord], None],
+        *,
+        max_queue: int,
+        interval_s: float,
+        shared: bool,
+    ) -> None:
+        self._tally = tally
+        self._count = count
+        self._max_queue = max_queue
+        self._interval_s = interval_s
+        self.shared = shared
+        self.pool_sources: list[PoolSource] = []
+        self.engine_checks: list[EngineCheck] = []
+        self._checking = threading.Lock()  # one run of the engine checks at a time; a check may call snapshot()
+        self._pools_reported = False  # the gauges hold a reading (cleared once the last source is gone)
+        # record_transfer_deferred's queue first, then the producers' own (new_queue())
+        self.deferred = DeferredQueue(_build_deferred_call, max_queue)
+        self.queues: list[DeferredQueue] = [self.deferred]
+        self._building = False
+        self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()  # one thread starts the consumer; the others go on
+        self._wake = threading.Event()
+        self.started = False  # consumer tended and host thread running
+        self._next_start_attempt = 0.0
+        self._fast = not shared  # the host thread ticks every DEFERRED_TICK_S (else TEND_INTERVAL_S)
+        self.fast_ready = False  # ... and it runs
+        self.consumer: Consumer
+        tally.bind(self._new_channel())
+
+    @property
+    def channel(self) -> Channel:
+        return self._tally.channel
+
+    @property
+    def closed(self) -> bool:
+        return self._tally.closed
+
+    def attach(self, consumer: Consumer) -> None:
+        """Serve ``consumer`` (built on :attr:`channel`); one in another process is started at once."""
+        self.consumer = consumer
+        _LIVE.add(self)
+        if self.shared:
+            self.start()
+
+    # ------------------------------------------------------------------ what producers hand over
+    def new_queue(self, build: Build) -> DeferredQueue:
+        queue = DeferredQueue(build, self._max_queue)
+        self.queues.append(queue)
+        self.want_fast()
+        return queue
+
+    def add_pool_source(self, source: PoolSource) -> None:
+        self.pool_sources.append(source)
+        self.want_fast()
+
+    def add_engine_check(self, check: EngineCheck) -> None:
+        self.engine_checks.append(check)
+        if self._thread is None:
+            self._start_thread()
+
+    # ------------------------------------------------------------------ starting
+    def start(self) -> bool:
+        """Start the consumer (the export process: synchronously) and the host thread that looks after it; True once
+        both run. A failure is logged once and retried at most once a second (the export process retries its own
+        launches with back-off), never raised into the caller; a thread that is starting them meanwhile is not
+        waited for."""
+        now = time.monotonic()
+        if self.started or self.closed or now < self._next_start_attempt:
+            return self.started
+        if not self._starting.acquire(blocking=False):
+            return False
+        try:
+            if not self.started:
+                self.tend(now=True)
+                if self._start_thread():
+                    self.started = True
+                else:
+                    self._next_start_attempt = now + RETRY_START_S
+            return self.started
+        finally:
+            self._starting.release()
+
+    def want_fast(self) -> None:
+        """Deferred records or pool sources: the host thread ticks every DEFERRED_TICK_S from now on."""
+        self._fast = True
+        if self.start():
+            self.fast_ready = True
+            self._wake.set()
+
+    def _start_thread(self) -> bool:
+        with self._tally.lock:
+            if self._thread is not None or self.closed:
+                return self._thread is not None
+            # The thread holds the worker weakly: a telemetry dropped without shutdown() is freed, thread and all.
+            thread = self._thread = threading.Thread(
+                target=_run, args=(weakref.ref(self), self._wake), daemon=True, name=HOST_THREAD_NAME
+            )
+        try:
+            thread.start()
+        except RuntimeError as exc:  # can't start new thread (RLIMIT_NPROC, ...)
+            with self._tally.lock:
+                self._thread = None
+            self._tally.warn_export("no_thread", f"no host thread can be started now ({exc}); retrying")
+            return False
+        return True
+
+    # ------------------------------------------------------------------ the host thread's round
+    def work(self, state: dict[str, float]) -> bool:
+        """One round of the host thread: builds deferred records, reads pool sources, and (in-process) emits spans,
+        each in slices of at most SLICE_NS. True when more is waiting (the thread pauses, then comes back)."""
+        backlog = sum(len(queue) for queue in self.queues) > self._max_queue * BACKLOG_SHARE
+        busy = self._build_deferred(2 * SLICE_NS if backlog else SLICE_NS)
+        now = time.monotonic()
+        if (self.pool_sources or self.engine_checks) and now >= state["pools"]:
+            state["pools"] = now + POOL_INTERVAL_S
+            self.read_pools()
+            self.run_engine_checks()
+            busy = True
+        if self.shared:  # the export process drains the ring itself
+            if now >= state["tend"]:
+                state["tend"] = now + TEND_INTERVAL_S
+                self.tend()
+        elif self.started and (now >= state["drain"] or self.channel.pending() > self._max_queue // 2):
+            if not self.consumer.drain(SLICE_NS):
+                state["drain"] = now + self._interval_s  # drained: back in one flush interval
+            busy = True
+        return busy
+
+    def tick_s(self) -> float:
+        return min(self._interval_s, DEFERRED_TICK_S) if self._fast else TEND_INTERVAL_S
+
+    def _build_deferred(self, budget_ns: int) -> bool:
+        """Build and count deferred records, each queue oldest first, for at most ``budget_ns``. True if some
+        remain. Only the host thread takes from the queues."""
+        end = time.perf_counter_ns() + budget_ns
+        for queue in list(self.queues):
+            while queue:
+                self._building = True
+                try:
+                    shed, entry = queue.take()
+                    if shed:
+                        self._tally.shed(shed, "deferred records shed")
+                    try:
+                        record = queue.build(entry)
+                    except Exception:
+                        self._tally.reject(RecordKind.TRANSFER, Problem.BUILD_FAILED)
+                        continue
+                    if record is not None:
+                        self._count(record)  # not a record: refused as malformed
+                finally:
+                    self._building = False
+                if time.perf_counter_ns() >= end:
+                    return any(self.queues)
+            if queue.closed and not queue:
+                self.queues.remove(queue)
+        return False
+
+    def read_pools(self) -> None:
+        """Read every pool source (outside the lock: a source may be slow) and replace the gauges at once."""
+        if not self.pool_sources and not self._pools_reported:
+            return
+        readings: dict[tuple[str, str], tuple[int, int]] = {}
+        refused: list[Problem] = []
+        corrections: list[Problem] = []
+        for source in list(self.pool_sources):
+            try:
+                usages = validation.pool_usages(source(), self._tally.known, corrections)
+            except Exception as exc:
+                refused.append(exc.problem if isinstance(exc, Rejected) else Problem.SOURCE_FAILED)
+                continue
+            for usage in usages:
+                used, limit = readings.get((usage.tier.value, usage.pool), (0, 0))
+                readings[(usage.tier.value, usage.pool)] = (used + usage.used, limit + usage.limit)
+        self._pools_reported = bool(readings)
+        self._tally.pools(readings, refused, corrections)
+
+    def run_engine_checks(self) -> None:
+        """Run every engine check (outside the telemetry's lock) and count what they report."""
+        if not self.engine_checks or not self._checking.acquire(blocking=False):
+            return  # none, or running on another thread (or a check called snapshot())
+        try:
+            for check in list(self.engine_checks):
+                try:
+                    names = list(check())
+                except Exception:
+                    self._tally.reject(RecordKind.ENGINE_CHECK, Problem.SOURCE_FAILED)
+                    continue
+                self._tally.mismatches(names)
+        finally:
+            self._checking.release()
+
+    # ------------------------------------------------------------------ reading, flushing, closing
+    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+        """Wait (bounded) until every deferred record has been built and counted by the host thread."""
+        if self.closed:  # no host thread builds any more: what producers put since shutdown is shed, and counted
+            self._shed_deferred()
+        if not self._unbuilt():
+            return True
+        if self._thread is None or threading.current_thread() is self._thread:
+            return False
+        deadline = time.monotonic() + timeout_s
+        while self._unbuilt():
+            if time.monotonic() >= deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.001)
+        return True
+
+    def _unbuilt(self) -> bool:
+        return self._building or any(self.queues)
+
+    def before_collect(self) -> None:
+        """What an in-process collection waits for first: deferred records counted, pools read, engines checked."""
+        self.settle(SETTLE_TIMEOUT_S / 2)
+        self.read_pools()
+        self.run_engine_checks()
+
+    def tend(self, now: bool = False) -> None:
+        """Look after the consumer (host thread, flush, start): move into shared memory once it can be had, relay the
+        export process's lines, replace it if it died (``now``: whatever its back-off says)."""
+        if self.closed:
+            return
+        if self.shared and self.channel.fd is None:
+            self._share()
+        self.consumer.tend(self.channel, now)
+
+    def flush(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        settled = self.settle(timeout_s)
+        self.run_engine_checks()
+        if not self.started:
+            self.start()
+        self.tend(now=True)
+        return self.consumer.flush(max(0.0, deadline - time.monotonic())) and settled
+
+    def close(self, timeout_s: float) -> None:
+        """Count what is queued, stop the thread, hand the last records to the consumer, within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        self.settle(timeout_s / 2)
+        self._tally.closed = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()) / 2)
+        self._shed_deferred()
+        if self.shared and self.channel.fd is None:
+            self._share()  # one more try: the last window goes out only from shared memory
+        self.consumer.close(self.channel, max(0.0, deadline - time.monotonic()))
+        if self.shared:  # keep counting (records after shutdown still count) in a private copy; let shared memory go
+            self._tally.swap(Channel.private_copy).close()
+        _LIVE.discard(self)
+
+    def _shed_deferred(self) -> None:
+        """Count every deferred record that will never be built (the host thread has stopped)."""
+        shed = sum(queue.discard() for queue in list(self.queues))
+        if shed:
+            self._tally.shed(shed, "deferred records not built before shutdown")
+
+    # ------------------------------------------------------------------ memory
+    def _new_channel(self) -> Channel:
+        """Shared memory for the export process, or (none to be had: no fds, no memfd) private memory for now."""
+        layout = self._tally.layout
+        if self.shared:
+            try:
+                return Channel(layout, self._max_queue, shared=True)
+            except OSError as exc:
+                self._tally.warn_export(
+                    "no_shared_memory",
+                    f"no shared memory for the export process now ({exc!r}); counting in private memory, retrying",
+                )
+        return Channel(layout, self._max_queue, shared=False)
+
+    def _share(self) -> None:
+        """Move the counters and the ring into shared memory (they started in private memory: none could be had)."""
+        try:
+            old = self._tally.swap(Channel.shared_copy)
+        except OSError:
+            return  # still none: the next tend tries again
+        old.close()
+
+    # ------------------------------------------------------------------ fork
+    def before_fork(self) -> tuple[bool, bool]:
+        """Hold the consumer (no span half-emitted in the SDK) and the producer lock (no half-written slot or counter)
+        across fork. Bounded: a fork from inside our own code proceeds after a second."""
+        consumer = self.consumer.before_fork()
+        return consumer, self._tally.lock.acquire(timeout=1.0)
+
+    def after_fork_in_parent(self, held: tuple[bool, bool]) -> None:
+        if held[1]:
+            self._tally.lock.release()
+        self.consumer.after_fork_in_parent(held[0])
+
+    def after_fork_in_child(self) -> None:
+        """Start from zero, as a new process: new locks, table and ring, no threads; the parent's are untouched."""
+        self._tally.lock = threading.Lock()
+        self._starting = threading.Lock()
+        self._wake = threading.Event()
+        self._checking = threading.Lock()
+        self._thread = None
+        self.fast_ready = False
+        self._building = False
+        for queue in self.queues:
+            queue.discard()  # the parent's entries: built and counted by the parent
+        self.started = False
+        self._next_start_attempt = 0.0
+        if not self.shared:  # a private mapping: the child's own copy
+            self.channel.reset()
+        else:  # the parent's shared memory: never written by the child
+            self.channel.close()
+            self._tally.bind(self._new_channel())
+        self.consumer = self.consumer.after_fork_in_child(self.channel)
+        if self.pool_sources or self.engine_checks or len(self.queues) > 1:  # nothing else would start it
+            self.fast_ready = self._start_thread()  # its first tend launches the child's exporter
+
+
+def weakly(method: Callable[_P, Any]) -> Callable[_P, None]:
+    """``method`` called through a weak reference to its object: a callback that does not keep the object alive
+    (once it is gone, a call does nothing)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        live = ref()
+        if live is not None:
+            live(*args, **kwargs)
+
+    return call
+
+
+def _build_deferred_call(entry: tuple[int, Callable[[Any], TransferRecord | None], Any]) -> TransferRecord | None:
+    """record_transfer_deferred's entries: ``(seq, build, payload)``."""
+    _, build, payload = entry
+    return build(payload)
+
+
+def _run(ref: weakref.ref[HostWorker], wake: threading.Event) -> None:
+    """The host thread's loop; it pauses PAUSE_S after a busy round so the scheduler thread gets the GIL back."""
+    state = {"pools": 0.0, "drain": 0.0, "tend": 0.0}
+    busy, tick = False, DEFERRED_TICK_S
+    while True:
+        if busy:
+            time.sleep(PAUSE_S)
+        else:
+            wake.wait(tick)
+            wake.clear()
+        worker = ref()
+        if worker is None or worker.closed or worker._wake is not wake:  # gone, shut down, or forked
+            return
+        tick = worker.tick_s()
+        busy = worker.work(state)
+        del worker
+
+
+# ---------------------------------------------------------------------- process-wide hooks (weak: no instance leaks)
+_LIVE: weakref.WeakSet[HostWorker] = weakref.WeakSet()
+_HELD: list[tuple[HostWorker, tuple[bool, bool]]] = []
+
+
+def _before_fork() -> None:
+    _HELD[:] = [(w, w.before_fork()) for w in list(_LIVE)]
+
+
+def _after_fork_in_parent() -> None:
+    for worker, held in _HELD:
+        worker.after_fork_in_parent(held)
+    _HELD.clear()
+
+
+def _after_fork_in_child() -> None:
+    held = list(_HELD)
+    _HELD.clear()
+    for worker, _ in held:
+        try:
+            worker.after_fork_in_child()
+        except Exception:
+            _log.debug("otel_hicache: resetting telemetry in a forked child failed", exc_info=True)
+
+
+def _flush_at_exit() -> None:
+    """Count deferred records before the interpreter stops the host thread: half a second in all, however many."""
+    deadline = time.monotonic() + 0.5
+    for worker in list(_LIVE):
+        worker.settle(max(0.0, deadline - time.monotonic()))
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+atexit.register(_flush_at_exit)

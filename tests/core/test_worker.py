@@ -1,0 +1,153 @@
+"""The host-side worker (``_internal.worker.HostWorker``): on its own thread it builds deferred records oldest
+first, reads pool sources and runs engine checks; reads of the counters wait for what is queued; closing counts what
+was never built; a worker nobody holds ends its thread."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from opentelemetry import metrics, trace
+
+from otel_hicache import semconv as sc
+from otel_hicache._internal import validation
+from otel_hicache._internal.accumulation import Layout
+from otel_hicache._internal.channel import HEADER_INTS
+from otel_hicache._internal.consumers import InProcessConsumer
+from otel_hicache._internal.counting import Tally
+from otel_hicache._internal.worker import HOST_THREAD_NAME, TEND_INTERVAL_S, HostWorker, weakly
+from otel_hicache.records import PoolUsage, TransferRecord
+from otel_hicache.semconv import Tier, TransferOperation
+
+KNOWN = {pool: pool for pool in sc.POOLS}
+
+
+def make(max_queue: int = 64) -> tuple[HostWorker, Tally]:
+    tally = Tally(Layout([*sorted(KNOWN), sc.OTHER_POOL], ["kv"], HEADER_INTS), KNOWN)
+
+    def count(record: TransferRecord) -> None:  # the telemetry's record_transfer, without the facade
+        tally.transfer(validation.transfer(record, KNOWN))
+
+    worker = HostWorker(tally, count, max_queue=max_queue, interval_s=0.05, shared=False)
+    consumer = InProcessConsumer(worker.channel, trace.NoOpTracerProvider(), metrics.NoOpMeterProvider(),
+                                 spans=False, token_metrics=True, before_collect=lambda: None)  # fmt: skip
+    worker.attach(consumer)
+    return worker, tally
+
+
+@pytest.fixture
+def host() -> Iterator[tuple[HostWorker, Tally]]:
+    worker, tally = make()
+    yield worker, tally
+    worker.close(2.0)
+
+
+def backup(tokens: int) -> TransferRecord:
+    return TransferRecord(TransferOperation.BACKUP, {"kv": tokens}, 64 * tokens, 1_000, 2_000)
+
+
+def kv_tokens(tally: Tally) -> int:
+    return tally.snapshot()[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")]
+
+
+def test_deferred_entries_are_built_on_the_host_thread_in_order_and_counted_before_a_read(
+    host: tuple[HostWorker, Tally],
+) -> None:
+    worker, tally = host
+    built: list[tuple[str, int]] = []
+
+    def build(entry: tuple[int, int]) -> TransferRecord:
+        built.append((threading.current_thread().name, entry[1]))
+        return backup(entry[1])
+
+    queue = worker.new_queue(build)
+    for tokens in (1, 2, 3):
+        queue.put((next(queue.seq), tokens))
+    assert worker.settle()
+    assert built == [(HOST_THREAD_NAME, 1), (HOST_THREAD_NAME, 2), (HOST_THREAD_NAME, 3)]
+    assert kv_tokens(tally) == 6
+
+
+def test_pool_sources_are_summed_per_tier_and_pool_and_a_failing_one_is_skipped_and_counted(
+    host: tuple[HostWorker, Tally],
+) -> None:
+    worker, tally = host
+    worker.pool_sources += [  # registered without starting the thread: this test does the reading
+        lambda: [PoolUsage(Tier.HOST, "kv", 10, 100)],
+        lambda: [PoolUsage(Tier.HOST, "kv", 5, 50), PoolUsage(Tier.DEVICE, "swa", 1, 2)],
+        lambda: 1 / 0,  # type: ignore[list-item, return-value]
+    ]
+    worker.read_pools()
+    assert sorted(tally.channel.counters.pools()) == [("device", "swa", 1, 2), ("host", "kv", 15, 150)]
+    assert tally.snapshot()[sc.METRIC_RECORDS_REJECTED][("pool_usage", "source_failed")] == 1
+    worker.pool_sources.clear()
+    worker.read_pools()  # the last reading is cleared once no source is left
+    assert tally.channel.counters.pools() == []
+
+
+def test_an_engine_check_may_read_the_counters_it_checks(host: tuple[HostWorker, Tally]) -> None:
+    worker, tally = host
+    seen: list[int] = []
+
+    def check() -> list[str]:
+        worker.settle()  # what a check's snapshot() does: no deadlock, no second run of the checks
+        worker.run_engine_checks()
+        seen.append(kv_tokens(tally))
+        return [sc.METRIC_TRANSFER_TOKENS]
+
+    worker.deferred.put_numbered(backup, 9)
+    worker.add_engine_check(check)
+    assert worker.settle()
+    worker.run_engine_checks()
+    assert seen and seen[-1] == 9
+    assert tally.snapshot()[sc.METRIC_ENGINE_MISMATCH][(sc.METRIC_TRANSFER_TOKENS,)] == len(seen)
+
+
+def test_closing_counts_what_was_never_built_as_shed_and_stops_the_thread() -> None:
+    worker, tally = make(max_queue=8)
+    release = threading.Event()
+    worker.deferred.put_numbered(lambda _: release.wait(30) and None, None)  # the thread hangs in this build
+    queue = worker.new_queue(lambda entry: backup(1))
+    deadline = time.monotonic() + 5
+    while worker.deferred and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for _ in range(3):
+        queue.put((next(queue.seq),))
+    thread: Any = worker._thread
+    worker.close(0.5)
+    release.set()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert tally.snapshot()[sc.METRIC_RECORDS_REJECTED][("transfer", "queue_full")] == 3
+
+
+def test_a_worker_nobody_holds_ends_its_thread() -> None:
+    worker, _ = make()
+    worker.deferred.put_numbered(backup, 1)
+    worker.want_fast()
+    assert worker.settle()
+    thread: Any = worker._thread
+    del worker
+    gc.collect()
+    thread.join(5 * TEND_INTERVAL_S)
+    assert not thread.is_alive()
+
+
+def test_a_weak_callback_does_nothing_once_its_object_is_gone() -> None:
+    class Counter:
+        n = 0
+
+        def add(self, k: int) -> None:
+            self.n += k
+
+    counter = Counter()
+    add = weakly(counter.add)
+    add(2)
+    assert counter.n == 2
+    del counter
+    gc.collect()
+    add(3)  # nothing to call, nothing raised
