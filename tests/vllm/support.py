@@ -14,6 +14,7 @@ import json
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,8 @@ class HostCopyWorker(OffloadingWorker):
         self._groups = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
         self._blocks_per_chunk = blocks_per_chunk
         self._finished: deque[TransferResult] = deque()
+        #: What ``get_finished`` passes its results through before vLLM reads them (tests/vllm/test_faults.py).
+        self.alter: Callable[[list[TransferResult]], list[TransferResult]] | None = None
 
     def _copy(self, job_id: int, gpu_spec: GPULoadStoreSpec, chunk_ids: Any, to_host: bool) -> bool:
         """Copy each group's GPU blocks to or from the CPU chunks that follow on from the previous group's."""
@@ -110,7 +113,7 @@ class HostCopyWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         done = list(self._finished)
         self._finished.clear()
-        return done
+        return done if self.alter is None else self.alter(done)
 
     def wait(self, job_ids: set[int]) -> None:
         """Copies are synchronous: nothing to wait for."""
@@ -119,10 +122,14 @@ class HostCopyWorker(OffloadingWorker):
 class HostCopySpec(CPUOffloadingSpec):
     """vLLM's CPU offloading spec (manager, chunk sizing, metrics) with :class:`HostCopyWorker` as its worker."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._host_worker: HostCopyWorker | None = None  # in place of vLLM's ``_worker`` (a CPUOffloadingWorker)
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._worker is None:
-            self._worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)  # type: ignore[assignment]
-        return self._worker  # type: ignore[return-value]
+        if self._host_worker is None:
+            self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+        return self._host_worker
 
 
 def tiny_model() -> ModelConfig:

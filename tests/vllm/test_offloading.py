@@ -225,7 +225,9 @@ def test_instrumented_with_providers_one_tensor_parallel_rank_reports_tokens(ran
         assert ("hicache.transfer.tokens" in metrics) is reports_tokens
     finally:
         instrumentor.uninstrument()
-        instrumentor.telemetry.shutdown()  # type: ignore[union-attr]
+        telemetry = instrumentor.telemetry  # None when the engine failed before its first record
+        if telemetry is not None:
+            telemetry.shutdown()
         meter_provider.shutdown()
 
 
