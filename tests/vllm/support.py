@@ -60,10 +60,17 @@ SLIDING = SlidingWindowSpec(
 
 
 TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 128,
-    "max_position_embeddings": 256, "torch_dtype": "float16",
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+    "torch_dtype": "float16",
+}
 
 
 class HostCopyWorker(OffloadingWorker):
@@ -301,10 +308,11 @@ def engine(cpu_chunks: int = 8, rank: int = 0, tp: int = 1, groups: tuple[Attent
     worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     generator = torch.Generator().manual_seed(0)
     kv_caches = {
-        name: torch.randint(-128, 127, (NUM_GPU_BLOCKS, ATTENTION.page_size_bytes), dtype=torch.int8,
-                            generator=generator).view(torch.float16)
+        name: torch.randint(
+            -128, 127, (NUM_GPU_BLOCKS, ATTENTION.page_size_bytes), dtype=torch.int8, generator=generator
+        ).view(torch.float16)
         for name in LAYERS
-    }  # fmt: skip
+    }
     worker.register_kv_caches(kv_caches)
     return Engine(scheduler, worker, kv_caches)
 
