@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the raw numbers to FILE")
     parser.add_argument("--soak-seconds", type=float, default=None, help="paced phase of the soak (default 120)")
     parser.add_argument("--soak-rate", type=float, default=None, help="paced transfers per second (default 2000)")
-    parser.add_argument("--rates", type=_rates, default=None, help="loop: transfers per second, comma-separated "
-                        "(default 200,1000)")  # fmt: skip
+    parser.add_argument(
+        "--rates", type=_rates, default=None, help="loop: transfers per second, comma-separated (default 200,1000)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda":
         import torch

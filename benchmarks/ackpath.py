@@ -125,8 +125,14 @@ class SyntheticAckPath:
         self.ongoing_load_back: dict[int, _Node] = {}
         self._next_node = 0
 
-    def submit(self, op: TransferOperation, tokens_by_pool: dict[str, int], num_bytes: int, nodes: int = 2,
-               events: tuple[Any, Any, bool] | None = None) -> Ack:  # fmt: skip
+    def submit(
+        self,
+        op: TransferOperation,
+        tokens_by_pool: dict[str, int],
+        num_bytes: int,
+        nodes: int = 2,
+        events: tuple[Any, Any, bool] | None = None,
+    ) -> Ack:
         """Queue one merged transfer's ack (the copy itself is the caller's; see ``loop`` and ``transfer``)."""
         node_ids = list(range(self._next_node, self._next_node + nodes))
         self._next_node += nodes
@@ -197,17 +203,22 @@ class PrometheusReporter(Reporter):
         self.labels = dict(labels)
         names = list(self.labels)
         reg = self.registry
-        self.backup_num_tokens = Counter("sglang:hicache_backup_tokens_total", "backup tokens", [*names, "pool"],
-                                         registry=reg)  # fmt: skip
+        self.backup_num_tokens = Counter(
+            "sglang:hicache_backup_tokens_total", "backup tokens", [*names, "pool"], registry=reg
+        )
         self.backup_num_bytes = Counter("sglang:hicache_backup_bytes_total", "backup bytes", names, registry=reg)
         self.backup_duration_seconds = Histogram(
-            "sglang:hicache_backup_duration_seconds", "backup duration", names, registry=reg,
+            "sglang:hicache_backup_duration_seconds",
+            "backup duration",
+            names,
+            registry=reg,
             buckets=[0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0],
-        )  # fmt: skip
-        self.load_back_num_tokens = Counter("sglang:load_back_tokens_total", "load back tokens", [*names, "pool"],
-                                            registry=reg)  # fmt: skip
+        )
+        self.load_back_num_tokens = Counter(
+            "sglang:load_back_tokens_total", "load back tokens", [*names, "pool"], registry=reg
+        )
         self.load_back_num_bytes = Counter("sglang:load_back_bytes_total", "load back bytes", names, registry=reg)
-        self.load_back_duration_seconds = Histogram(
+        self.load_back_duration_seconds = Histogram(  # unformatted: SGLang's buckets as rows of numbers
             "sglang:load_back_duration_seconds", "load back duration", names, registry=reg,
             buckets=[0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01, 0.02, 0.03, 0.04, 0.05,
                      0.1, 0.2, 0.5, 1.0],
@@ -279,9 +290,10 @@ class NaiveOtelReporter(Reporter):
         self._tokens = meter.create_counter(NAIVE_PREFIX + sc.METRIC_TRANSFER_TOKENS, unit=sc.UNIT_TOKEN)
         self._bytes = meter.create_counter(NAIVE_PREFIX + sc.METRIC_TRANSFER_SIZE, unit=sc.UNIT_BYTE)
         self._duration = meter.create_histogram(
-            NAIVE_PREFIX + sc.METRIC_TRANSFER_DURATION, unit=sc.UNIT_SECOND,
+            NAIVE_PREFIX + sc.METRIC_TRANSFER_DURATION,
+            unit=sc.UNIT_SECOND,
             explicit_bucket_boundaries_advisory=sc.TRANSFER_DURATION_BUCKETS,
-        )  # fmt: skip
+        )
         self._flush = flush
 
     def _report(self, op: TransferOperation, ack: Ack) -> None:

@@ -78,15 +78,16 @@ def run(params: Params, device: str = "cpu", command: str = "") -> Table:
     paths = [
         _Path("uninstrumented", None),
         _Path("prometheus_client (SGLang today)", prom),
-        _Path("naive OTel SDK, OTLP", NaiveOtelReporter(otlp.tracer_provider, otlp.meter_provider),
-              otlp.force_flush),
+        _Path("naive OTel SDK, OTLP", NaiveOtelReporter(otlp.tracer_provider, otlp.meter_provider), otlp.force_flush),
         _Path("otel_hicache, OTLP", OtelHiCacheReporter(otlp.telemetry, events.source), otlp.force_flush),
         _Path(DEFERRED, DeferredOtelHiCacheReporter(otlp.telemetry, events.source), otlp.force_flush),
-        _Path("naive OTel SDK, embedded", NaiveOtelReporter(embedded.tracer_provider, embedded.meter_provider),
-              embedded.force_flush),
-        _Path("otel_hicache, embedded", OtelHiCacheReporter(embedded.telemetry, events.source),
-              embedded.force_flush),
-    ]  # fmt: skip
+        _Path(
+            "naive OTel SDK, embedded",
+            NaiveOtelReporter(embedded.tracer_provider, embedded.meter_provider),
+            embedded.force_flush,
+        ),
+        _Path("otel_hicache, embedded", OtelHiCacheReporter(embedded.telemetry, events.source), embedded.force_flush),
+    ]
     try:
         # warm-up: first calls build label children, series, the worker thread, the gRPC channel
         for path in paths:
@@ -103,8 +104,9 @@ def run(params: Params, device: str = "cpu", command: str = "") -> Table:
     return _table(paths, params, device, checks, command)
 
 
-def _block(path: _Path, ack_path: SyntheticAckPath, rng: random.Random, batches: int, batch: int,
-           record: bool = True) -> None:  # fmt: skip
+def _block(
+    path: _Path, ack_path: SyntheticAckPath, rng: random.Random, batches: int, batch: int, record: bool = True
+) -> None:
     thread_ns, perf_ns, process_ns = time.thread_time_ns, time.perf_counter_ns, time.process_time_ns
     p0 = process_ns()
     for i in range(batches):
@@ -125,16 +127,19 @@ def _block(path: _Path, ack_path: SyntheticAckPath, rng: random.Random, batches:
         path.total.append(cpu / (batches * batch))
 
 
-def _ground_truth(paths: list[_Path], prom: PrometheusReporter, otlp: TelemetrySetup,
-                  embedded: TelemetrySetup) -> dict[str, bool]:  # fmt: skip
+def _ground_truth(
+    paths: list[_Path], prom: PrometheusReporter, otlp: TelemetrySetup, embedded: TelemetrySetup
+) -> dict[str, bool]:
     by_name = {p.name: p for p in paths}
     checks: dict[str, bool] = {}
     truth = by_name["prometheus_client (SGLang today)"].tokens
     checks["prometheus_client tokens == ground truth"] = all(
         prom.total(op, "tokens") == truth[op.value] for op in (BACKUP, LOAD_BACK)
     )
-    for label, setup, names in (("OTLP", otlp, ("otel_hicache, OTLP", DEFERRED)),
-                                ("embedded", embedded, ("otel_hicache, embedded",))):  # fmt: skip
+    for label, setup, names in (
+        ("OTLP", otlp, ("otel_hicache, OTLP", DEFERRED)),
+        ("embedded", embedded, ("otel_hicache, embedded",)),
+    ):
         truth = {op.value: sum(by_name[name].tokens[op.value] for name in names) for op in (BACKUP, LOAD_BACK)}
         snap = setup.telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS]
         checks[f"otel_hicache {label} tokens == ground truth"] = all(
@@ -152,29 +157,52 @@ def _table(paths: list[_Path], params: Params, device: str, checks: dict[str, bo
         key="hotpath",
         title=f"1. Reporting cost per merged transfer on the scheduler thread (synthetic writing_check, {device})",
         columns=[
-            "path", "thread CPU/ack p50 (ns)", "p99 (ns)", "added p50 (ns)", "x prometheus_client",
-            "wall/ack p50 (ns)", "wall p99 (ns)", "host-process CPU/ack, all threads (ns)", "added host CPU (ns)",
+            "path",
+            "thread CPU/ack p50 (ns)",
+            "p99 (ns)",
+            "added p50 (ns)",
+            "x prometheus_client",
+            "wall/ack p50 (ns)",
+            "wall p99 (ns)",
+            "host-process CPU/ack, all threads (ns)",
+            "added host CPU (ns)",
         ],
         command=command,
         checks=checks,
-    )  # fmt: skip
+    )
     for p in paths:
         added = median(p.cpu) - base_cpu
         ratio = added / prom_added if prom_added > 0 else float("nan")
-        table.rows.append([
-            p.name, median(p.cpu), percentile(p.cpu, 99), added, "-" if p is base else ratio,
-            median(p.wall), percentile(p.wall, 99), median(p.total), median(p.total) - base_total,
-        ])  # fmt: skip
+        table.rows.append(
+            [
+                p.name,
+                median(p.cpu),
+                percentile(p.cpu, 99),
+                added,
+                "-" if p is base else ratio,
+                median(p.wall),
+                percentile(p.wall, 99),
+                median(p.total),
+                median(p.total) - base_total,
+            ]
+        )
         table.data[p.name] = {
-            "cpu_p50": median(p.cpu), "cpu_p99": percentile(p.cpu, 99), "added_cpu_p50": added,
-            "ratio_vs_prometheus": ratio, "wall_p50": median(p.wall), "wall_p99": percentile(p.wall, 99),
-            "total_cpu_p50": median(p.total), "added_total_cpu_p50": median(p.total) - base_total,
-        }  # fmt: skip
+            "cpu_p50": median(p.cpu),
+            "cpu_p99": percentile(p.cpu, 99),
+            "added_cpu_p50": added,
+            "ratio_vs_prometheus": ratio,
+            "wall_p50": median(p.wall),
+            "wall_p99": percentile(p.wall, 99),
+            "total_cpu_p50": median(p.total),
+            "added_total_cpu_p50": median(p.total) - base_total,
+        }
     goals = {}
     for name in ("otel_hicache, OTLP", DEFERRED):
         ours = table.data[name]
-        goals[name] = {"ratio": bool(ours["ratio_vs_prometheus"] <= RATIO_GOAL),
-                       "host_cpu": bool(ours["added_total_cpu_p50"] <= HOST_CPU_GOAL_NS)}  # fmt: skip
+        goals[name] = {
+            "ratio": bool(ours["ratio_vs_prometheus"] <= RATIO_GOAL),
+            "host_cpu": bool(ours["added_total_cpu_p50"] <= HOST_CPU_GOAL_NS),
+        }
     table.data["goals"] = goals
     table.notes += [
         f"{params.reps} interleaved repetitions x {params.batches_per_block} batches x {params.batch} acks per path; "

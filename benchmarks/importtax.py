@@ -81,9 +81,16 @@ def run(smoke: bool, command: str) -> Table | None:
         f"disabled (here {on[0] - off[0]:+.3f} s, {(on[1] - off[1]) / MIB:+.1f} MiB)."
     )
     imported = subprocess.run(
-        [str(instrument), sys.executable, "-c",
-         "import sys; print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'torch'}))"],
-        env=base, capture_output=True, text=True, timeout=120,
-    ).stdout.strip()  # fmt: skip
+        [
+            str(instrument),
+            sys.executable,
+            "-c",
+            "import sys; print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'torch'}))",
+        ],
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.strip()
     table.checks["instrument() imports neither sglang nor torch"] = imported == "[]"
     return table

@@ -354,12 +354,18 @@ def _block(path: _Path, pools: _Pools, shape: _Shape, steps: int, timer: _RoundT
     typical_transfer = median(transfer_ns)
     waits = [d - typical for d in chunk_blocked] + [d - typical_transfer for d in transfer_blocked]
     return _Block(
-        p50=median(step_ns), p99=percentile(step_ns, 99), mean=sum(step_ns) / max(1, len(step_ns)), wall=wall,
-        cpu=whole - (m1 - m0) + report_cpu, whole_cpu=whole, transfers=reported,
+        p50=median(step_ns),
+        p99=percentile(step_ns, 99),
+        mean=sum(step_ns) / max(1, len(step_ns)),
+        wall=wall,
+        cpu=whole - (m1 - m0) + report_cpu,
+        whole_cpu=whole,
+        transfers=reported,
         parts={"calling thread": report_cpu, "other threads": c1 - c0 - (m1 - m0), "flush": flushed},
         stall_p999=percentile(ordered, 99.9) - typical,
-        gil_waits=[w for w in waits if w > _GAP_NS], rounds=rounds,
-    )  # fmt: skip
+        gil_waits=[w for w in waits if w > _GAP_NS],
+        rounds=rounds,
+    )
 
 
 def _spans_received(collector: CollectorProcess, sent: int, timeout_s: float = 30.0) -> int:
@@ -378,19 +384,42 @@ def _stat(blocks: list[_Block], key: str) -> float:
     return median([getattr(b, key) for b in blocks])
 
 
-def _table(paths: list[_Path], shapes: list[_Shape], params: Params, device: str, command: str,
-           checks: dict[str, bool], sent: int, got: int, control: list[int]) -> Table:  # fmt: skip
+def _table(
+    paths: list[_Path],
+    shapes: list[_Shape],
+    params: Params,
+    device: str,
+    command: str,
+    checks: dict[str, bool],
+    sent: int,
+    got: int,
+    control: list[int],
+) -> Table:
     table = Table(
         key="loop",
         title=f"2. Scheduler loop at a paced transfer rate: step time, host CPU, GIL holds ({device})",
-        columns=["rate (/s)", "path", "achieved (/s)", "step p50 (us)", "p99 (us)", "mean (us)", "p50 inflation",
-                 "p99 inflation", "mean inflation", "host CPU/transfer (us)", "whole-process delta (us)",
-                 "host thread round CPU p50 / p99 / max (us)", "rounds > 200 us CPU", "round wall p99.9 / max (us)",
-                 "probe: longest GIL wait (us)",
-                 "probe: waits > 200 us", "stall p99.9 (us)"],
+        columns=[
+            "rate (/s)",
+            "path",
+            "achieved (/s)",
+            "step p50 (us)",
+            "p99 (us)",
+            "mean (us)",
+            "p50 inflation",
+            "p99 inflation",
+            "mean inflation",
+            "host CPU/transfer (us)",
+            "whole-process delta (us)",
+            "host thread round CPU p50 / p99 / max (us)",
+            "rounds > 200 us CPU",
+            "round wall p99.9 / max (us)",
+            "probe: longest GIL wait (us)",
+            "probe: waits > 200 us",
+            "stall p99.9 (us)",
+        ],
         command=command,
         checks=checks,
-    )  # fmt: skip
+    )
     off = paths[0]
     goals: dict[str, dict[str, bool]] = {}
     for shape in shapes:
@@ -412,43 +441,66 @@ def _table(paths: list[_Path], shapes: list[_Shape], params: Params, device: str
             round_cpu = sorted(c for c, _, _ in rounds)
             longest_round = round_cpu[-1] if round_cpu else 0
             longest_outside = max((c - g for c, _, g in rounds), default=0)  # the longest without its collection
-            round_text = (f"{percentile(round_cpu, 50) / 1e3:,.0f} / {percentile(round_cpu, 99) / 1e3:,.0f} / "
-                          f"{longest_round / 1e3:,.0f}") if round_cpu else "-"  # fmt: skip
+            round_text = "-"
+            if round_cpu:
+                quantiles = (percentile(round_cpu, 50), percentile(round_cpu, 99), longest_round)
+                round_text = " / ".join(f"{ns / 1e3:,.0f}" for ns in quantiles)
             longest_wall = max((w for _, w, _ in rounds), default=0)
             wall_p999 = percentile(sorted(w for _, w, _ in rounds), 99.9) if rounds else 0.0
             rounds_over = sum(1 for c, _, _ in rounds if c > GIL_GOAL_NS)
             over_in_collection = sum(1 for c, _, g in rounds if c > GIL_GOAL_NS and g > 0)
             achieved = median([b.transfers / b.wall * 1e9 for b in blocks])
             stall = _stat(blocks, "stall_p999")
-            table.rows.append([
-                f"{rate:g}", p.name, achieved, stats["p50"] / 1e3, stats["p99"] / 1e3, stats["mean"] / 1e3,
-                *(["-"] * 3 if p is off else [f"{inflation[p.name][k]:+.1f}%" for k in ("p50", "p99", "mean")]),
-                *(["-"] * 2 if p is off else [cpu / 1e3, whole / 1e3]),
-                *([round_text, f"{rounds_over} ({over_in_collection} with a collection)",
-                   f"{wall_p999 / 1e3:,.0f} / {longest_wall / 1e3:,.0f}"]
-                  if p.name in OURS else ["-"] * 3),
-                longest / 1e3, over, stall / 1e3,
-            ])  # fmt: skip
+            over_text = f"{rounds_over} ({over_in_collection} with a collection)"
+            wall_text = f"{wall_p999 / 1e3:,.0f} / {longest_wall / 1e3:,.0f}"
+            host_thread = [round_text, over_text, wall_text] if p.name in OURS else ["-"] * 3
+            table.rows.append(
+                [
+                    f"{rate:g}",
+                    p.name,
+                    achieved,
+                    stats["p50"] / 1e3,
+                    stats["p99"] / 1e3,
+                    stats["mean"] / 1e3,
+                    *(["-"] * 3 if p is off else [f"{inflation[p.name][k]:+.1f}%" for k in ("p50", "p99", "mean")]),
+                    *(["-"] * 2 if p is off else [cpu / 1e3, whole / 1e3]),
+                    *host_thread,
+                    longest / 1e3,
+                    over,
+                    stall / 1e3,
+                ]
+            )
             table.data[f"{rate:g}/{p.name}"] = {
-                "rate": rate, "achieved_per_s": achieved, "p50_ns": stats["p50"], "p99_ns": stats["p99"],
-                "mean_ns": stats["mean"], "inflation_pct": inflation[p.name], "host_cpu_ns_per_transfer": cpu,
-                "whole_process_cpu_delta_ns_per_transfer": whole, "host_cpu_parts_ns_per_transfer": parts,
-                "longest_gil_wait_ns": longest, "gil_waits_over_goal": over, "stall_p999_ns": stall,
-                "host_thread_rounds": len(rounds), "longest_host_thread_round_ns": longest_round,
+                "rate": rate,
+                "achieved_per_s": achieved,
+                "p50_ns": stats["p50"],
+                "p99_ns": stats["p99"],
+                "mean_ns": stats["mean"],
+                "inflation_pct": inflation[p.name],
+                "host_cpu_ns_per_transfer": cpu,
+                "whole_process_cpu_delta_ns_per_transfer": whole,
+                "host_cpu_parts_ns_per_transfer": parts,
+                "longest_gil_wait_ns": longest,
+                "gil_waits_over_goal": over,
+                "stall_p999_ns": stall,
+                "host_thread_rounds": len(rounds),
+                "longest_host_thread_round_ns": longest_round,
                 "host_thread_round_p99_ns": percentile(round_cpu, 99) if round_cpu else 0.0,
-                "host_thread_rounds_over_goal": rounds_over, "host_thread_round_wall_p999_ns": wall_p999,
+                "host_thread_rounds_over_goal": rounds_over,
+                "host_thread_round_wall_p999_ns": wall_p999,
                 "host_thread_rounds_over_goal_with_a_collection": over_in_collection,
                 "longest_host_thread_round_outside_collections_ns": longest_outside,
                 "longest_host_thread_round_wall_ns": longest_wall,
-                "steps": len(blocks) * shape.steps, "blocks": len(blocks),
-            }  # fmt: skip
+                "steps": len(blocks) * shape.steps,
+                "blocks": len(blocks),
+            }
         for ours in OURS:
             data = table.data[f"{rate:g}/{ours}"]
+            margin = f"inflation <= prometheus_client + {INFLATION_MARGIN_POINTS:g} points"
             met = {
-                f"{k} inflation <= prometheus_client + {INFLATION_MARGIN_POINTS:g} points":
-                    inflation[ours][k] <= inflation[PROMETHEUS][k] + INFLATION_MARGIN_POINTS
+                f"{k} {margin}": inflation[ours][k] <= inflation[PROMETHEUS][k] + INFLATION_MARGIN_POINTS
                 for k in ("p50", "p99", "mean")
-            }  # fmt: skip
+            }
             met[f"host CPU/transfer <= {CPU_GOAL_NS / 1e3:g} us"] = data["host_cpu_ns_per_transfer"] <= CPU_GOAL_NS
             met[f"host thread rounds <= {GIL_GOAL_NS / 1e3:g} us CPU"] = (
                 data["longest_host_thread_round_ns"] <= GIL_GOAL_NS
@@ -474,11 +526,17 @@ def _table(paths: list[_Path], shapes: list[_Shape], params: Params, device: str
     table.data["goals"] = goals
     floor = {q: percentile(control, q) if control else 0.0 for q in (50, 99, 100)}
     control_over = sum(cpu > GIL_GOAL_NS for cpu in control)
-    table.data["control_wake_cpu_ns"] = {"p50": floor[50], "p99": floor[99], "max": floor[100], "wakes": len(control),
-                                         "over_goal": control_over}  # fmt: skip
+    table.data["control_wake_cpu_ns"] = {
+        "p50": floor[50],
+        "p99": floor[99],
+        "max": floor[100],
+        "wakes": len(control),
+        "over_goal": control_over,
+    }
     table.data["spans_sent"], table.data["spans_received"] = sent, got
-    shape_text = ", ".join(f"{s.rate:g}/s: {s.chunks} chunks of {s.chunk_iterations} iterations, {s.steps} steps"
-                           for s in shapes)  # fmt: skip
+    shape_text = ", ".join(
+        f"{s.rate:g}/s: {s.chunks} chunks of {s.chunk_iterations} iterations, {s.steps} steps" for s in shapes
+    )
     table.notes += [
         f"{params.blocks} rotating blocks per path and rate, each {params.block_s:g} s of uninstrumented steps "
         f"({shape_text} per block). A step = pure-Python work sized so that a median step off lasts 1/rate, then "

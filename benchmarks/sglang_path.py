@@ -78,16 +78,21 @@ def run(smoke: bool, command: str) -> Table | None:
 
 def _run_elsewhere(smoke: bool, command: str) -> Table | None:
     if not SGLANG_VENV_PYTHON.exists():
-        print("benchmarks sglang: skipped: sglang is not importable here and .venv-sglang does not exist "
-              "(build it with scripts/setup-sglang-venv.sh).", file=sys.stderr)  # fmt: skip
+        print(
+            "benchmarks sglang: skipped: sglang is not importable here and .venv-sglang does not exist "
+            "(build it with scripts/setup-sglang-venv.sh).",
+            file=sys.stderr,
+        )
         return None
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "sglang.json")
         argv = [str(SGLANG_VENV_PYTHON), "-m", "benchmarks", "sglang", "--json", out, *(["--smoke"] if smoke else [])]
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
         if proc.returncode not in (0, 1) or not os.path.exists(out):
-            print(f"benchmarks sglang: the run in .venv-sglang failed (exit {proc.returncode}):\n"
-                  f"{proc.stderr[-3000:]}", file=sys.stderr)  # fmt: skip
+            print(
+                f"benchmarks sglang: the run in .venv-sglang failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}",
+                file=sys.stderr,
+            )
             return None
         with open(out) as f:
             tables = json.load(f)["tables"]
@@ -108,6 +113,7 @@ EXPLICIT = "writing_check(finish_count=n)"
 DEFAULT = "writing_check()"
 PATTERNS = (EXPLICIT, DEFAULT)
 RATIO_GOAL = 0.3
+PROMETHEUS = "prometheus_client (SGLang --enable-metrics)"
 
 
 @dataclass
@@ -148,8 +154,9 @@ def _run(params: Params, command: str) -> Table:
 
     collector = CollectorProcess()
     otlp = configure(endpoint=collector.grpc_endpoint, protocol="grpc", service_name="bench-sglang")
-    prom = RadixCacheMetricsCollector(labels={"cache_type": "UnifiedRadixCache", "tp_rank": 0, "pp_rank": 0,
-                                              "dp_rank": 0})  # fmt: skip
+    prom = RadixCacheMetricsCollector(
+        labels={"cache_type": "UnifiedRadixCache", "tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
+    )
     naive = NaiveOtelReporter(otlp.tracer_provider, otlp.meter_provider)
     instrumentor = SGLangHiCacheInstrumentor()
 
@@ -164,7 +171,7 @@ def _run(params: Params, command: str) -> Table:
 
     paths = [
         _Path("uninstrumented", lambda cache: None),
-        _Path("prometheus_client (SGLang --enable-metrics)", set_prom),
+        _Path(PROMETHEUS, set_prom),
         _Path("naive OTel SDK, OTLP", set_naive, otlp.force_flush),
         _Path("otel_hicache instrumentor, OTLP", set_hicache, otlp.force_flush, instrumentor.uninstrument),
     ]
@@ -246,12 +253,12 @@ def _run(params: Params, command: str) -> Table:
     checks = {
         "every batch produced one real HiCacheAck per insert, consumed by writing_check": all(
             s.acks == s.tokens // params.seq_tokens and len(s.check_ns) == params.reps * params.batches_per_block
-            for p in paths for s in p.stats.values()
+            for p in paths
+            for s in p.stats.values()
         ),
-        "prometheus_client backup tokens == tokens backed up":
-            prom_tokens == tokens("prometheus_client (SGLang --enable-metrics)"),
+        "prometheus_client backup tokens == tokens backed up": prom_tokens == tokens(PROMETHEUS),
         "otel_hicache backup tokens == tokens backed up": ours == tokens("otel_hicache instrumentor, OTLP"),
-    }  # fmt: skip
+    }
     return _table(paths, params, checks, command)
 
 
@@ -268,13 +275,22 @@ def _table(paths: list[_Path], params: Params, checks: dict[str, bool], command:
     table = Table(
         key="sglang",
         title="1b. Reporting cost per backup ack on the real SGLang 0.5.23 writing_check, both call patterns (CPU)",
-        columns=["call pattern", "path", "writing_check CPU/ack p50 (ns)", "p99 (ns)", "added p50 (ns)",
-                 "x prometheus_client", "empty check added (ns/step)", "x prometheus_client, ack + empty check",
-                 "submit CPU/ack p50 (ns)",
-                 "submit added (ns)", "host-process CPU/ack added (ns)"],
+        columns=[
+            "call pattern",
+            "path",
+            "writing_check CPU/ack p50 (ns)",
+            "p99 (ns)",
+            "added p50 (ns)",
+            "x prometheus_client",
+            "empty check added (ns/step)",
+            "x prometheus_client, ack + empty check",
+            "submit CPU/ack p50 (ns)",
+            "submit added (ns)",
+            "host-process CPU/ack added (ns)",
+        ],
         command=command,
         checks=checks,
-    )  # fmt: skip
+    )
     goals = {}
     for pattern in PATTERNS:
         base, prom = paths[0].stats[pattern], paths[1].stats[pattern]
@@ -290,18 +306,37 @@ def _table(paths: list[_Path], params: Params, checks: dict[str, bool], command:
             both = (added + empty_added) / prom_both if prom_both > 0 else float("nan")
             submit = median(s.submit_ns)
             host = median(s.host_ns) - base_host
-            table.rows.append([pattern, p.name, median(s.check_ns), percentile(s.check_ns, 99), added,
-                               "-" if p is paths[0] else ratio, empty_added, "-" if p is paths[0] else both,
-                               submit, submit - base_submit, "-" if p is paths[0] else host])  # fmt: skip
+            table.rows.append(
+                [
+                    pattern,
+                    p.name,
+                    median(s.check_ns),
+                    percentile(s.check_ns, 99),
+                    added,
+                    "-" if p is paths[0] else ratio,
+                    empty_added,
+                    "-" if p is paths[0] else both,
+                    submit,
+                    submit - base_submit,
+                    "-" if p is paths[0] else host,
+                ]
+            )
             table.data[f"{pattern}/{p.name}"] = {
-                "pattern": pattern, "check_p50": median(s.check_ns), "added_p50": added, "ratio_vs_prometheus": ratio,
-                "submit_p50": submit, "empty_added": empty_added, "ratio_with_empty_check": both,
+                "pattern": pattern,
+                "check_p50": median(s.check_ns),
+                "added_p50": added,
+                "ratio_vs_prometheus": ratio,
+                "submit_p50": submit,
+                "empty_added": empty_added,
+                "ratio_with_empty_check": both,
                 "host_cpu_added": host,
-            }  # fmt: skip
+            }
         ours = table.data[f"{pattern}/otel_hicache instrumentor, OTLP"]["ratio_vs_prometheus"]
         goals[pattern] = bool(ours <= RATIO_GOAL)
-        table.notes.append(f"Goal for otel_hicache on {pattern}: <= {RATIO_GOAL:g}x prometheus_client's added "
-                           f"calling-thread CPU: {'met' if goals[pattern] else 'NOT met'} ({ours:.2f}x).")  # fmt: skip
+        table.notes.append(
+            f"Goal for otel_hicache on {pattern}: <= {RATIO_GOAL:g}x prometheus_client's added "
+            f"calling-thread CPU: {'met' if goals[pattern] else 'NOT met'} ({ours:.2f}x)."
+        )
     table.data["goals"] = goals
     table.notes += [
         f"{params.reps} interleaved repetitions x {params.batches_per_block} batches x {params.batch} acks per path "

@@ -56,8 +56,11 @@ def _exported(receiver: OtlpReceiver) -> int:
 def _one(spawn: Any) -> tuple[int, int]:
     """(acks handed over, acks exported) for one SIGKILLed host."""
     with OtlpReceiver() as receiver:
-        os.environ.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_METRIC_EXPORT_INTERVAL="600000",
-                          OTEL_TRACES_EXPORTER="none")  # fmt: skip
+        os.environ.update(
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+            OTEL_METRIC_EXPORT_INTERVAL="600000",
+            OTEL_TRACES_EXPORTER="none",
+        )
         handed, ready = spawn.Value("q", 0, lock=False), spawn.Event()
         host = spawn.Process(target=_host, args=(handed, ready))
         host.start()

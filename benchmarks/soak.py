@@ -84,8 +84,20 @@ def run(params: Params, device: str = "cpu", command: str = "") -> Table:
     finally:
         setup.shutdown()
         collector.close()
-    return _table(params, device, command, truth, stats, snapshot, samples, paced_s, paced_cpu, paced_transfers,
-                  burst_s, burst_transfers)  # fmt: skip
+    return _table(
+        params,
+        device,
+        command,
+        truth,
+        stats,
+        snapshot,
+        samples,
+        paced_s,
+        paced_cpu,
+        paced_transfers,
+        burst_s,
+        burst_transfers,
+    )
 
 
 def _one_tick(ack_path: SyntheticAckPath, telemetry: Any, rng: random.Random, truth: _Truth, n: int) -> None:
@@ -153,16 +165,29 @@ def _sum_points(points: list[Any], key: tuple[str, ...]) -> dict[tuple[Any, ...]
     return out
 
 
-def _table(params: Params, device: str, command: str, truth: _Truth, stats: dict[str, Any], snapshot: Any,
-           samples: list[tuple[float, float]], paced_s: float, paced_cpu: float, paced_transfers: int,
-           burst_s: float, burst_transfers: int) -> Table:  # fmt: skip
+def _table(
+    params: Params,
+    device: str,
+    command: str,
+    truth: _Truth,
+    stats: dict[str, Any],
+    snapshot: Any,
+    samples: list[tuple[float, float]],
+    paced_s: float,
+    paced_cpu: float,
+    paced_transfers: int,
+    burst_s: float,
+    burst_transfers: int,
+) -> Table:
     metrics = stats["metrics"]
     scope = sc.INSTRUMENTATION_SCOPE
-    otlp_tokens = _sum_points(metrics.get(f"{scope}/{sc.METRIC_TRANSFER_TOKENS}", []),
-                              (sc.ATTR_OPERATION, sc.ATTR_POOL))  # fmt: skip
+    otlp_tokens = _sum_points(
+        metrics.get(f"{scope}/{sc.METRIC_TRANSFER_TOKENS}", []), (sc.ATTR_OPERATION, sc.ATTR_POOL)
+    )
     otlp_bytes = _sum_points(metrics.get(f"{scope}/{sc.METRIC_TRANSFER_SIZE}", []), (sc.ATTR_OPERATION,))
-    otlp_dropped = _sum_points(metrics.get(f"{scope}/{sc.METRIC_DROPPED_TOKENS}", []),
-                               (sc.ATTR_DROP_REASON, sc.ATTR_POOL))  # fmt: skip
+    otlp_dropped = _sum_points(
+        metrics.get(f"{scope}/{sc.METRIC_DROPPED_TOKENS}", []), (sc.ATTR_DROP_REASON, sc.ATTR_POOL)
+    )
     ours_dropped = sum(_sum_points(metrics.get(f"{scope}/{sc.METRIC_RECORDS_DROPPED}", []), ()).values())
     sdk = _sum_points(metrics.get("opentelemetry-sdk/otel.sdk.processor.span.processed", []), ("error.type",))
     sdk_lost = sum(v for (error,), v in sdk.items() if error is not None)
@@ -190,25 +215,55 @@ def _table(params: Params, device: str, command: str, truth: _Truth, stats: dict
     table = Table(
         key="soak",
         title=f"4. Soak: sustained transfers, exact counters, span drops, memory ({device})",
-        columns=["phase", "seconds", "transfers", "transfers/s", "process CPU (% of a core)", "CPU/transfer (us)",
-                 "RSS start / end (MiB)", "RSS slope (MiB/min)"],
+        columns=[
+            "phase",
+            "seconds",
+            "transfers",
+            "transfers/s",
+            "process CPU (% of a core)",
+            "CPU/transfer (us)",
+            "RSS start / end (MiB)",
+            "RSS slope (MiB/min)",
+        ],
         command=command,
         checks=checks,
-    )  # fmt: skip
-    table.rows.append([
-        f"paced at {params.rate:g}/s", paced_s, paced_transfers, paced_transfers / paced_s,
-        100 * paced_cpu / paced_s, 1e6 * paced_cpu / max(1, paced_transfers),
-        f"{rss[0]:.1f} / {rss[-1]:.1f}" if rss else "n/a", slope,
-    ])  # fmt: skip
-    table.rows.append([
-        "burst (unpaced)", burst_s, burst_transfers, burst_transfers / burst_s if burst_s else float("nan"),
-        "-", "-", "-", "-",
-    ])  # fmt: skip
-    table.data.update({
-        "transfers": truth.transfers, "spans_received": received, "records_dropped": ours_dropped,
-        "sdk_queue_full": sdk_queue_full, "sdk_lost": sdk_lost, "rss_slope_mib_per_min": slope,
-        "paced_rate": paced_transfers / paced_s, "burst_rate": burst_transfers / burst_s if burst_s else 0.0,
-    })  # fmt: skip
+    )
+    table.rows.append(
+        [
+            f"paced at {params.rate:g}/s",
+            paced_s,
+            paced_transfers,
+            paced_transfers / paced_s,
+            100 * paced_cpu / paced_s,
+            1e6 * paced_cpu / max(1, paced_transfers),
+            f"{rss[0]:.1f} / {rss[-1]:.1f}" if rss else "n/a",
+            slope,
+        ]
+    )
+    table.rows.append(
+        [
+            "burst (unpaced)",
+            burst_s,
+            burst_transfers,
+            burst_transfers / burst_s if burst_s else float("nan"),
+            "-",
+            "-",
+            "-",
+            "-",
+        ]
+    )
+    table.data.update(
+        {
+            "transfers": truth.transfers,
+            "spans_received": received,
+            "records_dropped": ours_dropped,
+            "sdk_queue_full": sdk_queue_full,
+            "sdk_lost": sdk_lost,
+            "rss_slope_mib_per_min": slope,
+            "paced_rate": paced_transfers / paced_s,
+            "burst_rate": burst_transfers / burst_s if burst_s else 0.0,
+        }
+    )
     table.notes += [
         f"Span accounting: {truth.transfers:,} transfers; {received:,} spans received + {ours_dropped:,} "
         f"otel_hicache.records.dropped + {sdk_lost:,} counted lost by the SDK processor ({sdk_queue_full:,} "

@@ -146,10 +146,22 @@ def run(params: Params, device: str = "cpu", command: str = "") -> Table:
     spec = PoolSpec("kv", layers=params.layers, heads=params.heads, head_dim=params.head_dim)
     node_tokens = params.pages_per_node * params.page_size
     total_nodes = 2 * params.nodes + params.spare_nodes
-    dev = PoolGroup(Tier.DEVICE, [spec], token_slots=total_nodes * node_tokens, node_slots=1,
-                    page_size=params.page_size, device=device)  # fmt: skip
-    host = PoolGroup(Tier.HOST, [spec], token_slots=(params.nodes + params.spare_nodes) * node_tokens, node_slots=1,
-                     page_size=params.page_size, device="cpu")  # fmt: skip
+    dev = PoolGroup(
+        Tier.DEVICE,
+        [spec],
+        token_slots=total_nodes * node_tokens,
+        node_slots=1,
+        page_size=params.page_size,
+        device=device,
+    )
+    host = PoolGroup(
+        Tier.HOST,
+        [spec],
+        token_slots=(params.nodes + params.spare_nodes) * node_tokens,
+        node_slots=1,
+        page_size=params.page_size,
+        device="cpu",
+    )
     dev.pools["kv"].buffer.normal_()
     controller = CacheController(dev, host, setup.telemetry)
     # Fragment the device side: allocate 2N nodes, free every other one.
@@ -180,8 +192,9 @@ def run(params: Params, device: str = "cpu", command: str = "") -> Table:
             bytes_ok &= b1 - b0 == expected_bytes
             src_pages = [p for v in nodes for p in v["kv"]]
             dst_pages = [p for h in host_values if h is not None for p in h["kv"]]
-            verified &= bool(torch.equal(h_buf[:, dst_pages[0] * size : (dst_pages[0] + 1) * size].cpu(),
-                                         d_buf[:, src_pages[0] * size : (src_pages[0] + 1) * size].cpu()))  # fmt: skip
+            stored = h_buf[:, dst_pages[0] * size : (dst_pages[0] + 1) * size].cpu()
+            source = d_buf[:, src_pages[0] * size : (src_pages[0] + 1) * size].cpu()
+            verified &= bool(torch.equal(stored, source))
             if record:
                 backup.add_controller(expected_bytes, wall, b1 - b0, s1 - s0)
             # --- raw copies of the same runs, then one contiguous copy of the same size
@@ -212,8 +225,9 @@ def run(params: Params, device: str = "cpu", command: str = "") -> Table:
             for v in loaded:
                 if v is not None:
                     dev.free(v)
-        stats_ok = all(controller.stats.bytes[(op, "kv")] == (params.reps + 1) * expected_bytes
-                       for op in ("backup", "load_back"))  # fmt: skip
+        stats_ok = all(
+            controller.stats.bytes[(op, "kv")] == (params.reps + 1) * expected_bytes for op in ("backup", "load_back")
+        )
     finally:
         setup.shutdown()
     checks = {
@@ -224,26 +238,47 @@ def run(params: Params, device: str = "cpu", command: str = "") -> Table:
     return _table(params, device, command, backup, load, expected_bytes, checks)
 
 
-def _table(params: Params, device: str, command: str, backup: _Series, load: _Series, nbytes: int,
-           checks: dict[str, bool]) -> Table:  # fmt: skip
+def _table(
+    params: Params, device: str, command: str, backup: _Series, load: _Series, nbytes: int, checks: dict[str, bool]
+) -> Table:
     gb = 1e9
     width = 2 * params.heads * params.head_dim
     table = Table(
         key="transfer",
         title=f"3. Transfer efficiency of the reference controller ({device}, {nbytes / 2**20:.0f} MiB per merged "
         "transfer)",
-        columns=["direction", "controller (GB/s)", "raw same runs (GB/s)", "controller / raw (goal >= 0.9)",
-                 "one contiguous copy (GB/s)", "telemetry-reported (GB/s)", "reported / controller wall"],
+        columns=[
+            "direction",
+            "controller (GB/s)",
+            "raw same runs (GB/s)",
+            "controller / raw (goal >= 0.9)",
+            "one contiguous copy (GB/s)",
+            "telemetry-reported (GB/s)",
+            "reported / controller wall",
+        ],
         command=command,
         checks=checks,
-    )  # fmt: skip
+    )
     for name, s in (("D->H backup", backup), ("H->D load back", load)):
         ratio = median(s.controller) / median(s.raw_runs)
-        table.rows.append([name, median(s.controller) / gb, median(s.raw_runs) / gb, ratio,
-                           median(s.contiguous) / gb, median(s.reported) / gb, median(s.reported_vs_wall)])  # fmt: skip
-        table.data[name] = {"controller_gbps": median(s.controller) / gb, "raw_gbps": median(s.raw_runs) / gb,
-                            "ratio": ratio, "reported_gbps": median(s.reported) / gb,
-                            "reported_vs_wall": median(s.reported_vs_wall)}  # fmt: skip
+        table.rows.append(
+            [
+                name,
+                median(s.controller) / gb,
+                median(s.raw_runs) / gb,
+                ratio,
+                median(s.contiguous) / gb,
+                median(s.reported) / gb,
+                median(s.reported_vs_wall),
+            ]
+        )
+        table.data[name] = {
+            "controller_gbps": median(s.controller) / gb,
+            "raw_gbps": median(s.raw_runs) / gb,
+            "ratio": ratio,
+            "reported_gbps": median(s.reported) / gb,
+            "reported_vs_wall": median(s.reported_vs_wall),
+        }
     table.notes += [
         f"{params.reps} interleaved repetitions (+1 warm-up), medians. Pool kv: {params.layers} layers x "
         f"{width} fp16 per token ({params.layers * width * 2:,} B/token, layer-first buffers); {params.nodes} nodes x "

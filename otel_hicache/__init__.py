@@ -63,8 +63,16 @@ if TYPE_CHECKING:
 
 #: Names whose modules import the OTel API, imported on first use: the API reads ``OTEL_PYTHON_CONTEXT`` on import and
 #: logs a traceback for a bad value, and ``import otel_hicache`` (the CLI's first step) must get to check it first.
-_RECORDS = ("DropRecord", "EvictedEntry", "EvictionRecord", "KvWait", "PoolUsage", "PrefixSplit", "TransferFailure",
-            "TransferRecord")  # fmt: skip
+_RECORDS = (
+    "DropRecord",
+    "EvictedEntry",
+    "EvictionRecord",
+    "KvWait",
+    "PoolUsage",
+    "PrefixSplit",
+    "TransferFailure",
+    "TransferRecord",
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -384,8 +384,15 @@ def _answers(summary: Summary) -> list[str]:
     out += ["", "Is each tier the right size (evicted tokens never reused there; idle time of evicted entries)"]
     rows = [("tier", "evicted", "never reused", "idle p50", "idle p99")]
     for tier, t in summary.tier_sizing.items():
-        rows.append((tier, f"{_n(t.evicted_tokens)} tokens", _pct(t.never_reused_share),
-                     _secs(t.age.p50_s) if t.age else "-", _secs(t.age.p99_s) if t.age else "-"))  # fmt: skip
+        rows.append(
+            (
+                tier,
+                f"{_n(t.evicted_tokens)} tokens",
+                _pct(t.never_reused_share),
+                _secs(t.age.p50_s) if t.age else "-",
+                _secs(t.age.p99_s) if t.age else "-",
+            )
+        )
     out += _table(rows) if len(rows) > 1 else ["  nothing evicted"]
 
     out += ["", "Wasted movement (bytes written to a tier, then evicted without being read back)"]
@@ -408,8 +415,10 @@ def _answers(summary: Summary) -> list[str]:
     if not summary.load_seconds_per_token:
         out.append("  no timed loads")
     if recompute is None:
-        out.append("  recompute cost: needs the engine's prefill timing; the demo has no model "
-                   "(give --prefill-seconds-per-token)")  # fmt: skip
+        out.append(
+            "  recompute cost: needs the engine's prefill timing; the demo has no model "
+            "(give --prefill-seconds-per-token)"
+        )
     return out
 
 

@@ -30,9 +30,13 @@ _logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("grpc", "http/protobuf")
 SAMPLERS = (
-    "always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
     "parentbased_traceidratio",
-)  # fmt: skip
+)
 #: The entry-point groups ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` name exporters of, as the OTel SDK's
 #: configurator reads them (``otlp`` is one of them: ``otlp_proto_grpc`` or ``otlp_proto_http`` by the protocol).
 TRACES_GROUP = "opentelemetry_traces_exporter"
@@ -50,10 +54,15 @@ DEFAULT_CARDINALITY_LIMIT = 2000
 #: Span limits the SDK reads (non-negative integer or ``unset``). The SDK reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT
 #: already when ``opentelemetry.sdk.trace`` is imported, and raises there on a bad value.
 SPAN_LIMITS = (
-    "OTEL_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
-    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_EVENT_COUNT_LIMIT", "OTEL_SPAN_LINK_COUNT_LIMIT",
-    "OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT", "OTEL_LINK_ATTRIBUTE_COUNT_LIMIT",
-)  # fmt: skip
+    "OTEL_ATTRIBUTE_COUNT_LIMIT",
+    "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+    "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
+    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+    "OTEL_SPAN_EVENT_COUNT_LIMIT",
+    "OTEL_SPAN_LINK_COUNT_LIMIT",
+    "OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT",
+    "OTEL_LINK_ATTRIBUTE_COUNT_LIMIT",
+)
 SDK_IMPORT_VARIABLES = ("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",)
 _RANKS = ("tp", "pp", "dp")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP header name (RFC 9110 token)
@@ -160,8 +169,19 @@ def validate(
     ``OTEL_EXPORTER_PROMETHEUS_*``. The argument names and defaults are ``configure()``'s.
     """
     env = os.environ if env is None else env
-    _check_arguments(service_name, endpoint, protocol, prometheus_port, prometheus_host, ranks,
-                     resource_attributes, pools, extra_pools, cardinality_limit, set_global)  # fmt: skip
+    _check_arguments(
+        service_name,
+        endpoint,
+        protocol,
+        prometheus_port,
+        prometheus_host,
+        ranks,
+        resource_attributes,
+        pools,
+        extra_pools,
+        cardinality_limit,
+        set_global,
+    )
 
     disabled = _boolean(env, "OTEL_SDK_DISABLED") or False
     resource = key_values(env, "OTEL_RESOURCE_ATTRIBUTES")
@@ -544,8 +564,7 @@ def _signal(env: Mapping[str, str], signal: str, endpoint: str | None, protocol:
         headers[prefix] = _headers(env, prefix + "HEADERS")
         for suffix in ("CERTIFICATE", "CLIENT_CERTIFICATE", "CLIENT_KEY"):
             files[prefix + suffix] = _file(env, prefix + suffix)
-        _number(env, prefix + "TIMEOUT", "seconds > 0 (the Python OTLP exporters read seconds)", low=0.0,
-                low_open=True)  # fmt: skip
+        _number(env, prefix + "TIMEOUT", "seconds > 0 (the Python OTLP exporters read seconds)", low=0.0, low_open=True)
 
     def first(suffix: str) -> tuple[str, str] | tuple[None, None]:
         for prefix in (specific, general):

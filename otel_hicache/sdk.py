@@ -217,10 +217,19 @@ def configure(
     """
     env = os.environ if env is None else env
     settings = validate(
-        env, service_name=service_name, endpoint=endpoint, protocol=protocol, prometheus_port=prometheus_port,
-        prometheus_host=prometheus_host, ranks=ranks, resource_attributes=resource_attributes, pools=pools,
-        extra_pools=extra_pools, cardinality_limit=cardinality_limit, set_global=set_global,
-    )  # fmt: skip
+        env,
+        service_name=service_name,
+        endpoint=endpoint,
+        protocol=protocol,
+        prometheus_port=prometheus_port,
+        prometheus_host=prometheus_host,
+        ranks=ranks,
+        resource_attributes=resource_attributes,
+        pools=pools,
+        extra_pools=extra_pools,
+        cardinality_limit=cardinality_limit,
+        set_global=set_global,
+    )
     if settings.disabled:
         noop: Any = (metrics.NoOpMeterProvider(), trace.NoOpTracerProvider())
         sides = (MetricsSide(noop[0], None, None, [], []), TracesSide(noop[1], None, []))
@@ -249,8 +258,13 @@ def configure(
         setup = TelemetrySetup(telemetry, "otlp", app=app)
     else:
         sides = build(settings, resource, settings.prometheus_port)
-        telemetry = HiCacheTelemetry(sides[1].tracer_provider, sides[0].meter_provider, pools=pools,
-                                     extra_pools=extra_pools, token_metrics=token_metrics)  # fmt: skip
+        telemetry = HiCacheTelemetry(
+            sides[1].tracer_provider,
+            sides[0].meter_provider,
+            pools=pools,
+            extra_pools=extra_pools,
+            token_metrics=token_metrics,
+        )
         mode = next((k for k in ("otlp", "embedded", "console") if k in kinds), "prometheus")
         setup = TelemetrySetup(telemetry, mode, sides)
     if identity is not None:
@@ -272,8 +286,14 @@ def _without_export(
     app: tuple[Settings, Resource] | None = None,
 ) -> TelemetrySetup:
     """A telemetry that counts (``snapshot()`` is exact) and builds and exports nothing."""
-    telemetry = HiCacheTelemetry(trace.NoOpTracerProvider(), metrics.NoOpMeterProvider(), pools=pools,
-                                 extra_pools=extra_pools, spans=False, token_metrics=token_metrics)  # fmt: skip
+    telemetry = HiCacheTelemetry(
+        trace.NoOpTracerProvider(),
+        metrics.NoOpMeterProvider(),
+        pools=pools,
+        extra_pools=extra_pools,
+        spans=False,
+        token_metrics=token_metrics,
+    )
     return TelemetrySetup(telemetry, mode, sides, app)
 
 

@@ -216,18 +216,18 @@ UNIT_RECORD: Final = "{record}"
 UNIT_MISMATCH: Final = "{mismatch}"
 
 #: Transfer copy durations: ~100 us (a small H->D load back) up to 60 s (a blocking write-back backup).
-TRANSFER_DURATION_BUCKETS: Final[tuple[float, ...]] = (
+TRANSFER_DURATION_BUCKETS: Final[tuple[float, ...]] = (  # unformatted: a row of numbers, not one a line
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 #: Eviction passes (wall clock, includes blocking write-back copies).
-EVICTION_DURATION_BUCKETS: Final[tuple[float, ...]] = (
+EVICTION_DURATION_BUCKETS: Final[tuple[float, ...]] = (  # unformatted: a row of numbers, not one a line
     0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 
 #: How long a request's prefill waited for its KV to arrive from a tier: a fast load back to a slow L3 prefetch.
 KV_WAIT_BUCKETS: Final[tuple[float, ...]] = TRANSFER_DURATION_BUCKETS
 #: Time since an evicted entry was last used: a tier that evicts entries seconds after their last use is too small.
-EVICTION_AGE_BUCKETS: Final[tuple[float, ...]] = (
+EVICTION_AGE_BUCKETS: Final[tuple[float, ...]] = (  # unformatted: a row of numbers, not one a line
     0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
 )  # fmt: skip
 

@@ -256,8 +256,9 @@ def _tier_sizing(
     for tier, counts in sorted(by_tier.items()):
         never, known = counts.get(False, 0), counts.get(False, 0) + counts.get(True, 0)
         if sum(counts.values()) or tier in age_stats:
-            out[tier] = TierSizing(sum(counts.values()), never, known, never / known if known else None,
-                                   age_stats.get(tier))  # fmt: skip
+            out[tier] = TierSizing(
+                sum(counts.values()), never, known, never / known if known else None, age_stats.get(tier)
+            )
     return out
 
 
@@ -268,8 +269,13 @@ def _bucket_stats(points: Sequence[HistogramDataPoint]) -> dict[str, DurationSta
         count = sum(p.count for p in series)
         if count:
             merged = _merge_buckets(series)
-            out[tier] = DurationStats(count, sum(p.sum for p in series), _bucket_quantile(0.5, *merged),
-                                      _bucket_quantile(0.99, *merged), "histogram")  # fmt: skip
+            out[tier] = DurationStats(
+                count,
+                sum(p.sum for p in series),
+                _bucket_quantile(0.5, *merged),
+                _bucket_quantile(0.99, *merged),
+                "histogram",
+            )
     return out
 
 

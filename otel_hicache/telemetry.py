@@ -119,12 +119,22 @@ class HiCacheTelemetry:
         self._known = {pool: pool for pool in sc.POOLS | set(extra)}
         seeds = [validation.pool_name(p, self._known, []) for p in pools]
         self._tally = Tally(Layout([*sorted(self._known), sc.OTHER_POOL], seeds, HEADER_INTS), self._known)
-        self._host = host = HostWorker(self._tally, weakly(self.record_transfer), max_queue=max_queue,
-                                       interval_s=flush_interval_s, shared=consumer is not None)  # fmt: skip
+        self._host = host = HostWorker(
+            self._tally,
+            weakly(self.record_transfer),
+            max_queue=max_queue,
+            interval_s=flush_interval_s,
+            shared=consumer is not None,
+        )
         if consumer is None:  # the provider must not keep us alive: weakly
-            consumer = functools.partial(InProcessConsumer, tracer_provider=tracer_provider, spans=spans,
-                                         meter_provider=meter_provider, token_metrics=token_metrics,
-                                         before_collect=weakly(host.before_collect))  # fmt: skip
+            consumer = functools.partial(
+                InProcessConsumer,
+                tracer_provider=tracer_provider,
+                spans=spans,
+                meter_provider=meter_provider,
+                token_metrics=token_metrics,
+                before_collect=weakly(host.before_collect),
+            )
         host.attach(consumer(host.channel))
 
     # ------------------------------------------------------------------ producer API (hot path)
@@ -174,9 +184,17 @@ class HiCacheTelemetry:
         thread (SGLang's consumed acks). Never raises, never waits."""
         try:
             checked = validation.transfer_at(
-                site, self._known, tokens_by_pool, num_bytes, submit_time_ns, complete_time_ns, copy_duration_s,
-                merged_ops, node_count, links,
-            )  # fmt: skip
+                site,
+                self._known,
+                tokens_by_pool,
+                num_bytes,
+                submit_time_ns,
+                complete_time_ns,
+                copy_duration_s,
+                merged_ops,
+                node_count,
+                links,
+            )
         except Exception as exc:
             self._tally.refuse(RecordKind.TRANSFER, exc)
             return

@@ -33,7 +33,7 @@ fi
 status=0
 .venv/bin/ruff check . || status=1
 .venv/bin/ruff format --check . || status=1
-.venv/bin/mypy || status=1  # otel_hicache and benchmarks, configured in pyproject.toml
+.venv/bin/mypy || status=1  # otel_hicache, benchmarks and tests, configured in pyproject.toml
 
 .venv/bin/python -m pytest -p no:cacheprovider -m "not sglang and not vllm" "$@"
 rc=$?; [[ $rc -eq 0 ]] || status=$rc

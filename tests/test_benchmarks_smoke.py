@@ -24,8 +24,11 @@ def _run(tmp_path: Path, *names: str) -> tuple[subprocess.CompletedProcess[str],
     md = tmp_path / "results.md"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", *names, "--smoke", "--json", str(out), "--markdown", str(md)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     tables = {t["key"]: t for t in json.loads(out.read_text())["tables"]}
     assert md.read_text().count("### ") == len(tables)
@@ -133,8 +136,10 @@ def test_import_tax_compares_our_instrumentor_on_and_off_without_importing_sglan
     _, tables = _run(tmp_path, "importtax")
     data = tables["importtax"]["data"]
     assert set(data) == {
-        "python -c pass", "opentelemetry-instrument, ours disabled", "opentelemetry-instrument, ours enabled"
-    }  # fmt: skip
+        "python -c pass",
+        "opentelemetry-instrument, ours disabled",
+        "opentelemetry-instrument, ours enabled",
+    }
     assert all(_sane(row["seconds"]) and row["max_rss_bytes"] > 0 for row in data.values())
 
 

@@ -100,8 +100,13 @@ LIGHT = textwrap.dedent(
 
 def test_the_core_imports_and_configures_without_torch_click_tqdm_or_numpy(tmp_path: Path) -> None:
     with OtlpReceiver() as rx:
-        done = subprocess.run([sys.executable, "-c", LIGHT, rx.grpc_endpoint], env=blocked(tmp_path, *DEMO_ONLY),
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", LIGHT, rx.grpc_endpoint],
+            env=blocked(tmp_path, *DEMO_ONLY),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         assert rx.wait_for(lambda: [s.name for s in rx.spans()] == ["hicache.backup"], 30)  # from the export process
     assert json.loads(done.stdout) == {"modes": {"embedded": 4, "otlp": 4}, "timing": "host_clock", "loaded": []}
@@ -125,8 +130,10 @@ def test_the_wheel_ships_no_testing_code_and_requires_only_the_core(tmp_path: Pa
         shutil.copy(ROOT / name, source / name)
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), source],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stderr
     (wheel,) = tmp_path.glob("otel_hicache-*.whl")
     with zipfile.ZipFile(wheel) as archive:
@@ -138,8 +145,12 @@ def test_the_wheel_ships_no_testing_code_and_requires_only_the_core(tmp_path: Pa
     requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     core = {re.split(r"[ <>=\[;]", r, maxsplit=1)[0] for r in requires if "extra ==" not in r}
     assert core == {
-        "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp", "opentelemetry-instrumentation",
-        "opentelemetry-exporter-prometheus", "wrapt",
-    }  # fmt: skip
+        "opentelemetry-api",
+        "opentelemetry-sdk",
+        "opentelemetry-exporter-otlp",
+        "opentelemetry-instrumentation",
+        "opentelemetry-exporter-prometheus",
+        "wrapt",
+    }
     demo = {r.split(";")[0].strip() for r in requires if 'extra == "demo"' in r}
     assert demo == set(package.DEMO)

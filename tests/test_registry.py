@@ -34,8 +34,19 @@ INSTRUMENTS = {"counter", "gauge", "histogram", "updowncounter"}
 SPAN_KINDS = {"client", "server", "producer", "consumer", "internal"}
 SIMPLE_TYPES = {"string", "int", "double", "boolean", "any", "string[]", "int[]", "double[]", "boolean[]"}
 ATTRIBUTE_TYPES = SIMPLE_TYPES | {f"template[{t}]" for t in SIMPLE_TYPES}
-BASE_KEYS = {"id", "type", "brief", "note", "extends", "attributes", "display_name", "deprecated", "stability",
-             "annotations", "entity_associations"}  # fmt: skip
+BASE_KEYS = {
+    "id",
+    "type",
+    "brief",
+    "note",
+    "extends",
+    "attributes",
+    "display_name",
+    "deprecated",
+    "stability",
+    "annotations",
+    "entity_associations",
+}
 GROUP_KEYS = {
     "attribute_group": BASE_KEYS,
     "span": BASE_KEYS | {"span_kind", "events"},
@@ -326,10 +337,17 @@ def test_transfer_spans_are_the_span_names_with_the_attributes_a_transfer_span_c
     transfers = {name: g for name, g in spans.items() if name != "hicache.request"}
     assert set(transfers) == set(sc.SPAN_NAMES.values())
     record = TransferRecord(
-        operation=sc.TransferOperation.BACKUP, tokens_by_pool={"kv": 8}, num_bytes=64, submit_time_ns=1,
-        complete_time_ns=2, copy_duration_s=0.001, timing_source=sc.TimingSource.HOST_CLOCK, bytes_by_pool={"kv": 64},
-        write_policy="write_back", io_backend="direct",
-    )  # fmt: skip
+        operation=sc.TransferOperation.BACKUP,
+        tokens_by_pool={"kv": 8},
+        num_bytes=64,
+        submit_time_ns=1,
+        complete_time_ns=2,
+        copy_duration_s=0.001,
+        timing_source=sc.TimingSource.HOST_CLOCK,
+        bytes_by_pool={"kv": 64},
+        write_policy="write_back",
+        io_backend="direct",
+    )
     carried = {template_of(key) for key in transfer_span_attributes(record)}
     for name, span in transfers.items():
         assert span["span_kind"] == "internal" and set(refs(span)) == carried, name

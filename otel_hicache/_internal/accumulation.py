@@ -69,8 +69,10 @@ class Layout:
             self.seeded[name] = frozenset(itertools.product(*seeds)) if seeds else frozenset()
         self.gauge_base = slot
         self.tiers = domains[sc.ATTR_TIER]
-        self.gauges = {(tier, pool): slot + i * _GAUGE_WIDTH for i, (tier, pool) in
-                       enumerate(itertools.product(self.tiers, self.pools))}  # fmt: skip
+        self.gauges = {
+            (tier, pool): slot + i * _GAUGE_WIDTH
+            for i, (tier, pool) in enumerate(itertools.product(self.tiers, self.pools))
+        }
         self.end = slot + len(self.gauges) * _GAUGE_WIDTH
 
     def attributes(self, name: str, key: Key) -> dict[str, Any]:

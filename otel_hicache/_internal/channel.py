@@ -203,10 +203,25 @@ class Channel:
             policy = self._label(t.write_policy)
         if backend is None:
             backend = self._label(t.io_backend)
-        _FIXED.pack_into(buf, offset, _KIND_TRANSFER, _OP_INDEX[t.operation], _SOURCE_INDEX[t.timing_source], n_pools,
-                         len(links), by_pool is not None, 0, t.submit_time_ns, t.complete_time_ns,
-                         math.nan if duration is None else duration, t.num_bytes, t.merged_ops, t.node_count, policy,
-                         backend)  # fmt: skip
+        _FIXED.pack_into(
+            buf,
+            offset,
+            _KIND_TRANSFER,
+            _OP_INDEX[t.operation],
+            _SOURCE_INDEX[t.timing_source],
+            n_pools,
+            len(links),
+            by_pool is not None,
+            0,
+            t.submit_time_ns,
+            t.complete_time_ns,
+            math.nan if duration is None else duration,
+            t.num_bytes,
+            t.merged_ops,
+            t.node_count,
+            policy,
+            backend,
+        )
         self.ints[WRITE] = write + 1
         return True
 
@@ -262,8 +277,23 @@ class Channel:
     def _decode(self, offset: int) -> Record:
         buf, pools = self.bytes, self.layout.pools
         fields = _FIXED.unpack_from(buf, offset)
-        (kind, which, source, n_pools, n_links, split, _, start, end, duration, num_bytes, merged, nodes, policy,
-         backend) = fields  # fmt: skip
+        (
+            kind,
+            which,
+            source,
+            n_pools,
+            n_links,
+            split,
+            _,
+            start,
+            end,
+            duration,
+            num_bytes,
+            merged,
+            nodes,
+            policy,
+            backend,
+        ) = fields
         at = offset + _FIXED.size
         if kind == _KIND_POINTS:
             context = None

@@ -50,8 +50,14 @@ class InProcessConsumer:
         before_collect: Callable[[], None],
     ) -> None:
         self._channel = channel
-        self._emitter = Emitter(channel.counters, tracer_provider, meter_provider, spans=spans,
-                                token_metrics=token_metrics, before_collect=before_collect)  # fmt: skip
+        self._emitter = Emitter(
+            channel.counters,
+            tracer_provider,
+            meter_provider,
+            spans=spans,
+            token_metrics=token_metrics,
+            before_collect=before_collect,
+        )
         self._emit_lock = threading.Lock()  # one consumer at a time: the ring has a single consumer side
 
     def tend(self, channel: Channel, now: bool = False) -> None:

@@ -62,8 +62,11 @@ class Emitter:
         self._timed: list[Any] = []  # the histograms of each transfer's copy duration
         # unbound, so that the emitter holds no reference to itself (a dropped telemetry is freed at once)
         self._observers: dict[str, Callable[[Emitter, str], list[Observation]]] = {}
-        observers = {sc.Feed.COUNTERS: Emitter._counted, sc.Feed.POOL_USAGE: Emitter._usage,
-                     sc.Feed.POOL_LIMIT: Emitter._limit}  # fmt: skip
+        observers = {
+            sc.Feed.COUNTERS: Emitter._counted,
+            sc.Feed.POOL_USAGE: Emitter._usage,
+            sc.Feed.POOL_LIMIT: Emitter._limit,
+        }
         for spec in sc.INSTRUMENTS:
             if spec.unit == sc.UNIT_TOKEN and not token_metrics:
                 continue

@@ -222,8 +222,12 @@ class ExportProcess:
             self._launch = _spawn(channel, self._plan)
         except Exception as exc:  # OSError (no fds, EAGAIN from fork), RuntimeError: never into the host
             self._failed()
-            self._warn_once("start", "otel_hicache: could not start the export process (%r); retrying with back-off "
-                            "(spans wait in the ring, counters stay exact)", exc)  # fmt: skip
+            self._warn_once(
+                "start",
+                "otel_hicache: could not start the export process (%r); retrying with back-off "
+                "(spans wait in the ring, counters stay exact)",
+                exc,
+            )
 
     def _failed(self) -> None:
         self._failures += 1
@@ -242,8 +246,11 @@ class ExportProcess:
             self._failed()
         else:
             self._failures, self._next_launch = 0, 0.0
-        self._warn_once("gone", "otel_hicache: the export process %s is gone; a new one sends what it had not sent "
-                        "(logged once)", launch.pid or "")  # fmt: skip
+        self._warn_once(
+            "gone",
+            "otel_hicache: the export process %s is gone; a new one sends what it had not sent (logged once)",
+            launch.pid or "",
+        )
 
     def _poke(self) -> None:
         with self._lock:  # the descriptor is not closed (and its number reused) meanwhile
@@ -261,8 +268,9 @@ class ExportProcess:
         while not done():
             if time.monotonic() >= deadline:
                 if self._channel is not None and not self._channel.ints[EXPORTER_PID]:
-                    self._warn_once("attach", "otel_hicache: the export process has not attached yet; records wait in "
-                                    "its ring")  # fmt: skip
+                    self._warn_once(
+                        "attach", "otel_hicache: the export process has not attached yet; records wait in its ring"
+                    )
                 return False
             time.sleep(pause)
             pause = min(pause * 2, 0.02)  # an export takes milliseconds: poll less the longer it takes
@@ -290,9 +298,14 @@ def _spawn(channel: Channel, plan: ExportPlan) -> _Launch:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         fds = (hang_r, channel.fd, plan_fd, live_w)
         launcher = subprocess.Popen(
-            [sys.executable, "-S", "-c", _LAUNCHER, _BOOT, ",".join(map(str, fds))], pass_fds=fds, env=env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=live_w, start_new_session=True,
-        )  # fmt: skip
+            [sys.executable, "-S", "-c", _LAUNCHER, _BOOT, ",".join(map(str, fds))],
+            pass_fds=fds,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=live_w,
+            start_new_session=True,
+        )
     except BaseException:
         for fd in opened:
             _close(fd)

@@ -389,12 +389,16 @@ def metrics_side(settings: Settings, resource: Resource, prometheus_port: int | 
                 readers.append(memory_reader)
             elif name not in (NONE, _PROMETHEUS):
                 made = _exporter(METRICS_GROUP, name, settings.metrics, settings, None)
-                readers.append(made if isinstance(made, MetricReader) else
-                               PeriodicExportingMetricReader(made, interval, timeout))  # fmt: skip
-        meter_provider = MeterProvider(metric_readers=readers, resource=resource,
-                                       views=views(settings.cardinality_limit),
-                                       exemplar_filter=_EXEMPLAR_FILTERS[settings.exemplar_filter](),
-                                       shutdown_on_exit=False)  # fmt: skip
+                readers.append(
+                    made if isinstance(made, MetricReader) else PeriodicExportingMetricReader(made, interval, timeout)
+                )
+        meter_provider = MeterProvider(
+            metric_readers=readers,
+            resource=resource,
+            views=views(settings.cardinality_limit),
+            exemplar_filter=_EXEMPLAR_FILTERS[settings.exemplar_filter](),
+            shutdown_on_exit=False,
+        )
     except BaseException:
         bounded(closers, 5.0)
         raise
@@ -411,8 +415,13 @@ def traces_side(
     id_generator: IdGenerator | None = None,
 ) -> TracesSide:
     """The tracer provider and its processors (their own metrics go to ``meter_provider``)."""
-    tracer_provider = TracerProvider(sampler=_sampler(settings), resource=resource, shutdown_on_exit=False,
-                                     id_generator=id_generator, span_limits=_span_limits(settings))  # fmt: skip
+    tracer_provider = TracerProvider(
+        sampler=_sampler(settings),
+        resource=resource,
+        shutdown_on_exit=False,
+        id_generator=id_generator,
+        span_limits=_span_limits(settings),
+    )
     batching = {
         "max_queue_size": settings.bsp_max_queue_size,
         "schedule_delay_millis": settings.bsp_schedule_delay_ms,

@@ -239,28 +239,79 @@ def transfer(record: Any, known: Pools) -> Transfer:
     """Check a :class:`~otel_hicache.records.TransferRecord` (or anything shaped like one)."""
     if not isinstance(record, TransferRecord):
         raise Rejected(Problem.MALFORMED)
-    (operation, tokens_by_pool, num_bytes, submit, complete, copy_s, source, merged, nodes, bytes_by_pool, policy,
-     backend, links) = record  # fmt: skip
+    (
+        operation,
+        tokens_by_pool,
+        num_bytes,
+        submit,
+        complete,
+        copy_s,
+        source,
+        merged,
+        nodes,
+        bytes_by_pool,
+        policy,
+        backend,
+        links,
+    ) = record
     op = _member(OPERATIONS, operation, Problem.UNKNOWN_OPERATION)
     timing = _member(TIMING_SOURCES, source, Problem.UNKNOWN_TIMING_SOURCE)
     corrections: list[Problem] = []
     policy, backend = _label(policy, corrections), _label(backend, corrections)
-    return _transfer(op, timing, policy, backend, corrections, known, tokens_by_pool, num_bytes, bytes_by_pool, submit,
-                     complete, copy_s, merged, nodes, links)  # fmt: skip
+    return _transfer(
+        op,
+        timing,
+        policy,
+        backend,
+        corrections,
+        known,
+        tokens_by_pool,
+        num_bytes,
+        bytes_by_pool,
+        submit,
+        complete,
+        copy_s,
+        merged,
+        nodes,
+        links,
+    )
 
 
 def transfer_at(
-    at: Site, known: Pools, tokens_by_pool: Any, num_bytes: Any, submit: Any, complete: Any, copy_s: Any,
-    merged: Any, nodes: Any, links: Any,
-) -> Transfer:  # fmt: skip
+    at: Site,
+    known: Pools,
+    tokens_by_pool: Any,
+    num_bytes: Any,
+    submit: Any,
+    complete: Any,
+    copy_s: Any,
+    merged: Any,
+    nodes: Any,
+    links: Any,
+) -> Transfer:
     """Check one transfer of a checked :class:`Site`: no record object, and the site's values are not checked
     again, only that they are what :func:`site` makes (an adapter's hottest path)."""
     if at is not _last_site[0]:
         _check_site(at)
         _last_site[0] = at
     op, timing, policy, backend, corrections = at
-    return _transfer(op, timing, policy, backend, list(corrections), known, tokens_by_pool, num_bytes, None, submit,
-                     complete, copy_s, merged, nodes, links)  # fmt: skip
+    return _transfer(
+        op,
+        timing,
+        policy,
+        backend,
+        list(corrections),
+        known,
+        tokens_by_pool,
+        num_bytes,
+        None,
+        submit,
+        complete,
+        copy_s,
+        merged,
+        nodes,
+        links,
+    )
 
 
 #: The last site found to be what :func:`site` makes. A ``Site`` (exactly) holds only immutable values, so it stays
@@ -298,10 +349,22 @@ def _member(table: Mapping[str, _Member], value: Any, problem: Problem) -> _Memb
 
 
 def _transfer(
-    op: TransferOperation, timing: TimingSource, policy: str | None, backend: str | None, corrections: list[Problem],
-    known: Pools, tokens_by_pool: Any, num_bytes: Any, bytes_by_pool: Any, submit: Any, complete: Any, copy_s: Any,
-    merged: Any, nodes: Any, links: Any,
-) -> Transfer:  # fmt: skip
+    op: TransferOperation,
+    timing: TimingSource,
+    policy: str | None,
+    backend: str | None,
+    corrections: list[Problem],
+    known: Pools,
+    tokens_by_pool: Any,
+    num_bytes: Any,
+    bytes_by_pool: Any,
+    submit: Any,
+    complete: Any,
+    copy_s: Any,
+    merged: Any,
+    nodes: Any,
+    links: Any,
+) -> Transfer:
     """The checks of a transfer's own values, inline for the plain case: this runs for every transfer."""
     tokens = pool_counts(tokens_by_pool, known, MAX_TOKENS, corrections)
     total_bytes = num_bytes if type(num_bytes) is int and 0 <= num_bytes <= MAX_BYTES else count(num_bytes, MAX_BYTES)

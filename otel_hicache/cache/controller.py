@@ -219,8 +219,17 @@ class CacheController:
             self._copy_loop(op, src, dst, src_pages, dst_pages)
             finish.record()
         self.stats.transfers[op.value] += 1
-        return _Ack(start, finish, source, [o.node_id for o in ops], tokens, sum(bytes_by_pool.values()),
-                    bytes_by_pool, len(ops), submit_ns)  # fmt: skip
+        return _Ack(
+            start,
+            finish,
+            source,
+            [o.node_id for o in ops],
+            tokens,
+            sum(bytes_by_pool.values()),
+            bytes_by_pool,
+            len(ops),
+            submit_ns,
+        )
 
     def _copy_loop(
         self,

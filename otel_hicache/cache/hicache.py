@@ -121,10 +121,22 @@ class HiCache:
         self.policy = WritePolicy(config.write_policy)
         ps = config.page_size
         host_device = "cpu"
-        self.device = PoolGroup(Tier.DEVICE, config.pools, token_slots=config.device_tokens // ps * ps,
-                                node_slots=config.device_states, page_size=ps, device=config.device)  # fmt: skip
-        self.host = PoolGroup(Tier.HOST, config.pools, token_slots=config.host_tokens // ps * ps,
-                              node_slots=config.host_states, page_size=ps, device=host_device)  # fmt: skip
+        self.device = PoolGroup(
+            Tier.DEVICE,
+            config.pools,
+            token_slots=config.device_tokens // ps * ps,
+            node_slots=config.device_states,
+            page_size=ps,
+            device=config.device,
+        )
+        self.host = PoolGroup(
+            Tier.HOST,
+            config.pools,
+            token_slots=config.host_tokens // ps * ps,
+            node_slots=config.host_states,
+            page_size=ps,
+            device=host_device,
+        )
         self.per_node = frozenset(s.name for s in config.pools if s.per_node)
         self.tree = RadixTree(ps, self.per_node)
         self.controller = CacheController(self.device, self.host, telemetry, write_policy=self.policy.value)
@@ -365,8 +377,13 @@ class HiCache:
             )
             return None
         first = pos // ps
-        job = StorageJob(TransferOperation.STORAGE_PREFETCH, parent.id, names[first : first + pages], value,
-                         links=span_links(request_span))  # fmt: skip
+        job = StorageJob(
+            TransferOperation.STORAGE_PREFETCH,
+            parent.id,
+            names[first : first + pages],
+            value,
+            links=span_links(request_span),
+        )
         if not self.store.submit(job):
             self.host.free(value)
             return None
@@ -500,8 +517,9 @@ class HiCache:
             parent = node.parent
             assert node.host is not None
             unread = self.controller.bytes_of(node.host) if node.host_unread is not None else 0
-            entries.append(EvictedEntry(node.num_tokens, _idle_s(node.host_used_ns), node.host_reused, unread,
-                                        node.host_unread))  # fmt: skip
+            entries.append(
+                EvictedEntry(node.num_tokens, _idle_s(node.host_used_ns), node.host_reused, unread, node.host_unread)
+            )
             self.host.free(node.host)
             self.tree.remove(node)
             freed += node.num_tokens

@@ -115,8 +115,10 @@ class FileStore:
         self._page_size = host.page_size
         self._payload_size = sum(host.pools[n].spec.bytes_per_slot * self._page_size for n in self.pools)
         self._entry_size = _HEADER + self._payload_size
-        layout = [[s.name, s.layers, s.heads, s.head_dim, s.kv, str(s.dtype), s.sidecar_of]
-                  for s in (host.pools[n].spec for n in self.pools)]  # fmt: skip
+        layout = [
+            [s.name, s.layers, s.heads, s.head_dim, s.kv, str(s.dtype), s.sidecar_of]
+            for s in (host.pools[n].spec for n in self.pools)
+        ]
         identity = json.dumps({"format": _FORMAT, "model": model, "page_size": self._page_size, "pools": layout})
         self._fingerprint = hashlib.blake2b(identity.encode(), digest_size=_FINGERPRINT).digest()
         self.namespace = self.root / self._fingerprint.hex()

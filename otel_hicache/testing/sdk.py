@@ -80,6 +80,13 @@ def attributes_of(item: Any) -> dict[str, Any]:
     return dict(item.attributes or {})
 
 
+def times_of(span: ReadableSpan) -> tuple[int, int]:
+    """A finished span's start and end times (ns); the SDK types them optional, a finished span has both."""
+    start, end = span.start_time, span.end_time
+    assert start is not None and end is not None, span.name
+    return start, end
+
+
 def make_sdk(sampler: Sampler | None = None, **telemetry_kwargs: Any) -> Sdk:
     """A fresh :class:`Sdk`; ``telemetry_kwargs`` go to :class:`HiCacheTelemetry` (``pools=...``, ``spans=...``)."""
     exporter = InMemorySpanExporter()

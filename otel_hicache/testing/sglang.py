@@ -83,20 +83,37 @@ def _build_tree(kv_size: int, page_size: int, num_layers: int, hybrid_swa: bool)
     if hybrid_swa:  # every other layer full attention, the rest sliding window
         full = list(range(1, num_layers, 2))
         kv_pool: Any = SWAKVPool(
-            size=kv_size, size_swa=kv_size, page_size=page_size, dtype=dtype, head_num=HEAD_NUM, head_dim=HEAD_DIM,
-            swa_attention_layer_ids=[i for i in range(num_layers) if i not in full], full_attention_layer_ids=full,
+            size=kv_size,
+            size_swa=kv_size,
+            page_size=page_size,
+            dtype=dtype,
+            head_num=HEAD_NUM,
+            head_dim=HEAD_DIM,
+            swa_attention_layer_ids=[i for i in range(num_layers) if i not in full],
+            full_attention_layer_ids=full,
             device=device,
-        )  # fmt: skip
+        )
         allocator: Any = SWATokenToKVPoolAllocator(
-            size=kv_size, size_swa=kv_size, page_size=page_size, dtype=dtype, device=device, kvcache=kv_pool,
+            size=kv_size,
+            size_swa=kv_size,
+            page_size=page_size,
+            dtype=dtype,
+            device=device,
+            kvcache=kv_pool,
             need_sort=False,
-        )  # fmt: skip
+        )
         components = (ComponentType.FULL, ComponentType.SWA)
     else:
         kv_pool = MHATokenToKVPool(
-            size=kv_size, page_size=page_size, dtype=dtype, head_num=HEAD_NUM, head_dim=HEAD_DIM,
-            layer_num=num_layers, device=device, enable_memory_saver=False,
-        )  # fmt: skip
+            size=kv_size,
+            page_size=page_size,
+            dtype=dtype,
+            head_num=HEAD_NUM,
+            head_dim=HEAD_DIM,
+            layer_num=num_layers,
+            device=device,
+            enable_memory_saver=False,
+        )
         allocator = TokenToKVPoolAllocator(size=kv_size, dtype=dtype, device=device, kvcache=kv_pool, need_sort=False)
     params = CacheInitParams(
         disable=False,
@@ -236,8 +253,12 @@ def init_cpu_parallel(rank: int, world_size: int, init_method: str, **server_arg
         ranks=SpawnRanks(world_rank=rank, dp_rank=None),
     )
     build = parallel_state.init_model_parallel_group
-    cpu_only = {"use_pynccl": False, "use_custom_allreduce": False, "use_mscclpp": False,
-                "use_torch_symm_mem_allreduce": False}  # fmt: skip
+    cpu_only = {
+        "use_pynccl": False,
+        "use_custom_allreduce": False,
+        "use_mscclpp": False,
+        "use_torch_symm_mem_allreduce": False,
+    }
     parallel_state.init_model_parallel_group = lambda *a, **k: build(*a, **{**k, **cpu_only})
     try:
         parallel_state.init_distributed_environment(

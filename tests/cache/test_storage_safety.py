@@ -93,8 +93,12 @@ def admit_after_fault(root: str, **overrides: Any) -> dict[str, Any]:
 
 def _child(function: str, *args: str, drop_dac: bool = False) -> dict[str, Any]:
     """Run ``function(*args)`` of this module in a child process (without root's DAC override if asked)."""
-    command = [sys.executable, "-c", f"import json, sys; from {__name__} import {function} as f; "
-               "print(json.dumps(f(*sys.argv[1:])))", *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-c",
+        f"import json, sys; from {__name__} import {function} as f; print(json.dumps(f(*sys.argv[1:])))",
+        *args,
+    ]
     if drop_dac and os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
         if setpriv is None:
@@ -106,8 +110,12 @@ def _child(function: str, *args: str, drop_dac: bool = False) -> dict[str, Any]:
     return result
 
 
-SERVED_UP_TO_K = {"input_tokens": len(PROMPT) - K * PS + len(EXTRA), "device_hit": 0, "host_hit": 0,
-                  "storage_hit": K * PS}  # fmt: skip
+SERVED_UP_TO_K = {
+    "input_tokens": len(PROMPT) - K * PS + len(EXTRA),
+    "device_hit": 0,
+    "host_hit": 0,
+    "storage_hit": K * PS,
+}
 
 
 # ---------------------------------------------------------------------------------------------- wrong KV

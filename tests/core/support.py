@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from otel_hicache import semconv as sc
 from otel_hicache.records import TransferRecord
@@ -19,8 +20,14 @@ SPAN = sc.SPAN_NAMES[TransferOperation.BACKUP]
 #: CAP_SYS_ADMIN). It keeps the right to read and run what root can (CAP_DAC_*): the test venv's interpreter may live
 #: where only root looks (pyenv under /root), and its exporters run that interpreter too.
 _CAPS = "+dac_override,+dac_read_search"
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", f"--inh-caps={_CAPS}",
-          f"--ambient-caps={_CAPS}"]  # fmt: skip
+NOBODY = [
+    "setpriv",
+    "--reuid=65534",
+    "--regid=65534",
+    "--clear-groups",
+    f"--inh-caps={_CAPS}",
+    f"--ambient-caps={_CAPS}",
+]
 
 
 def record(tokens: int = 3) -> TransferRecord:
@@ -32,11 +39,14 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, **extra}
 
 
-def host(script: str, *args: str, env: dict[str, str] | None = None, user: Sequence[str] = (),
-         **popen: object) -> subprocess.Popen[str]:  # fmt: skip
-    """``script`` in a fresh interpreter (``user``: a command prefix that drops privileges)."""
-    return subprocess.Popen([*user, sys.executable, "-c", script, *args], env=clean_env() if env is None else env,
-                            text=True, **popen)  # type: ignore[call-overload]  # fmt: skip
+def host(
+    script: str, *args: str, env: dict[str, str] | None = None, user: Sequence[str] = (), **popen: Any
+) -> subprocess.Popen[str]:
+    """``script`` in a fresh interpreter (``user``: a command prefix that drops privileges; ``popen``: more
+    :class:`subprocess.Popen` arguments)."""
+    return subprocess.Popen(
+        [*user, sys.executable, "-c", script, *args], env=clean_env() if env is None else env, text=True, **popen
+    )
 
 
 def tokens_by_pid(rx: OtlpReceiver) -> dict[int, int]:

@@ -122,8 +122,11 @@ class TestKvWait:
         sdk.telemetry.record_kv_wait(KvWait(Tier.DEVICE, 0.1, T0))
         sdk.telemetry.record_kv_wait(KvWait(Tier.HOST, -0.1, T0))
         sdk.telemetry.record_kv_wait("long")  # type: ignore[arg-type]
-        assert rejected(sdk) == {("kv_wait", "unknown_tier"): 1, ("kv_wait", "bad_duration"): 1,
-                                 ("kv_wait", "malformed"): 1}  # fmt: skip
+        assert rejected(sdk) == {
+            ("kv_wait", "unknown_tier"): 1,
+            ("kv_wait", "bad_duration"): 1,
+            ("kv_wait", "malformed"): 1,
+        }
         assert sc.METRIC_REQUEST_KV_WAIT not in sdk.metrics()
 
     def test_the_request_span_carries_the_wait_and_the_exemplar_its_trace(self, sdk: Sdk) -> None:

@@ -128,8 +128,13 @@ def test_short_lived_pool_workers_under_load_lose_nothing(method: str, tmp_path:
     script = tmp_path / "pool.py"  # spawned workers import the main module: a file, not -c
     script.write_text(POOL)
     with OtlpReceiver() as rx:
-        run = subprocess.run([sys.executable, str(script), rx.grpc_endpoint, method], env=clean_env(), text=True,
-                             capture_output=True, timeout=300)  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, str(script), rx.grpc_endpoint, method],
+            env=clean_env(),
+            text=True,
+            capture_output=True,
+            timeout=300,
+        )
         assert run.returncode == 0, run.stderr
         expected = {int(pid): tokens for pid, tokens in json.loads(run.stdout).items()}
         assert len(expected) == 12
@@ -262,8 +267,10 @@ def test_no_thread_process_or_file_descriptor_to_be_had_never_raises_or_kills_an
     from gRPC in the host; a failed launch never retried."""
     squeezes = ["nproc", "0", "1", "2", "3", "5"]
     with OtlpReceiver() as rx:
-        hosts = [host(SQUEEZED, rx.grpc_endpoint, squeeze, user=NOBODY, stdout=subprocess.PIPE,
-                      stderr=subprocess.PIPE) for squeeze in squeezes]  # fmt: skip
+        hosts = [
+            host(SQUEEZED, rx.grpc_endpoint, squeeze, user=NOBODY, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for squeeze in squeezes
+        ]
         results = [process.communicate(timeout=180) for process in hosts]
         for squeeze, process, (out, err) in zip(squeezes, hosts, results, strict=True):
             assert process.returncode == 0, (squeeze, process.returncode, err)  # no exception, no signal
@@ -298,8 +305,14 @@ def _running(pid: int) -> bool:
 def test_a_reader_of_the_hosts_output_sees_its_end_when_the_host_exits(black_hole: str) -> None:
     """The exporter, still exporting to a black hole after the host exited, holds none of the host's stdio (was: EOF
     3 s after the host's exit), and its log lines came through the host's own logging while the host lived."""
-    process = host(HOLDS_NOTHING, black_hole, env=clean_env(OTEL_EXPORTER_OTLP_TIMEOUT="3"), stdin=subprocess.PIPE,
-                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    process = host(
+        HOLDS_NOTHING,
+        black_hole,
+        env=clean_env(OTEL_EXPORTER_OTLP_TIMEOUT="3"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert process.stdin is not None and process.stdout is not None and process.stderr is not None
     exporter = int(process.stdout.readline())
     host_pipes = {os.fstat(stream.fileno()).st_ino for stream in (process.stdin, process.stdout, process.stderr)}
@@ -323,8 +336,9 @@ def test_a_reader_of_the_hosts_output_sees_its_end_when_the_host_exits(black_hol
         reader.join(30)
     assert max(ends.values()) - exited < 0.5, output
     assert _running(exporter)  # still on its last export: and yet the host's output ended
-    assert re.search(rf"otel_hicache export process {exporter}: opentelemetry\.exporter\.otlp\S*: Failed to export",
-                     output["err"]), output["err"]  # fmt: skip
+    assert re.search(
+        rf"otel_hicache export process {exporter}: opentelemetry\.exporter\.otlp\S*: Failed to export", output["err"]
+    ), output["err"]
 
 
 CYCLES = textwrap.dedent(
@@ -355,8 +369,8 @@ CYCLES = textwrap.dedent(
 
 def _unshare_works() -> bool:
     try:
-        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True,
-                              timeout=30).returncode == 0  # fmt: skip
+        done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30)
+        return done.returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -371,8 +385,13 @@ def test_a_host_that_reaps_orphans_is_left_no_zombie_exporter(where: str) -> Non
             pytest.skip("unshare --pid --fork is not permitted here (the subreaper case covers the same ground)")
         prefix = ["unshare", "--pid", "--fork", "--mount-proc"]
     with OtlpReceiver() as rx:
-        run = subprocess.run([*prefix, sys.executable, "-c", CYCLES, rx.grpc_endpoint, where], env=clean_env(),
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        run = subprocess.run(
+            [*prefix, sys.executable, "-c", CYCLES, rx.grpc_endpoint, where],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["0"], run.stderr
 
@@ -409,8 +428,14 @@ def test_over_otlp_the_host_runs_no_export_work_and_its_environment_and_loggers_
         assert run.returncode == 0, run.stderr
         report = json.loads(run.stdout)
         ours = ["MainThread", HOST_THREAD_NAME]
-        assert report == {"flushed": True, "environ": True, "filters": True, "grpc": False, "threads": sorted(ours),
-                          "with_meter": sorted([*ours, "OtelPeriodicExportingMetricReader"])}  # fmt: skip
+        assert report == {
+            "flushed": True,
+            "environ": True,
+            "filters": True,
+            "grpc": False,
+            "threads": sorted(ours),
+            "with_meter": sorted([*ours, "OtelPeriodicExportingMetricReader"]),
+        }
         assert rx.wait_for(lambda: list(tokens_by_pid(rx).values()) == [300], 30)
 
 
@@ -428,8 +453,12 @@ def test_a_resource_of_200_kib_reaches_the_exporter_through_a_channel_no_other_u
         cmdline = Path(f"/proc/{exporter}/cmdline").read_bytes()
         assert b"blob" not in cmdline and b"otel-hicache" not in cmdline and len(cmdline) < 2048
         peek = f"import os\ntry:\n    os.listdir('/proc/{exporter}/fd')\nexcept PermissionError:\n    print('denied')"
-        other = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-                                peek], capture_output=True, text=True, timeout=60)  # fmt: skip
+        other = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", peek],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert other.stdout.strip() == "denied", other.stderr  # the memfds are behind the exporter's fd table
         setup.shutdown()
 

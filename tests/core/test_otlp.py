@@ -16,13 +16,33 @@ from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
 T0 = 1_790_000_000_000_000_000
 REQUEST = SpanContext(0xABCDEF, 0x1234, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
 RECORDS = [
-    TransferRecord(TransferOperation.BACKUP, {"kv": 128, "swa": 32}, 655360, T0, T0 + 4_000_000, 0.0031,
-                   TimingSource.CUDA_EVENT, merged_ops=5, node_count=4, links=(REQUEST,)),
-    TransferRecord(TransferOperation.LOAD_BACK, {"kv": 64}, 262144, T0 + 10, T0 + 900_000, 0.0004,
-                   TimingSource.CUDA_EVENT, merged_ops=1, node_count=2),
-    TransferRecord(TransferOperation.STORAGE_BACKUP, {"kv": 128}, 524288, T0 + 20, T0 + 30_000_000, 0.025,
-                   TimingSource.HOST_CLOCK),
-]  # fmt: skip
+    TransferRecord(
+        TransferOperation.BACKUP,
+        {"kv": 128, "swa": 32},
+        655360,
+        T0,
+        T0 + 4_000_000,
+        0.0031,
+        TimingSource.CUDA_EVENT,
+        merged_ops=5,
+        node_count=4,
+        links=(REQUEST,),
+    ),
+    TransferRecord(
+        TransferOperation.LOAD_BACK,
+        {"kv": 64},
+        262144,
+        T0 + 10,
+        T0 + 900_000,
+        0.0004,
+        TimingSource.CUDA_EVENT,
+        merged_ops=1,
+        node_count=2,
+    ),
+    TransferRecord(
+        TransferOperation.STORAGE_BACKUP, {"kv": 128}, 524288, T0 + 20, T0 + 30_000_000, 0.025, TimingSource.HOST_CLOCK
+    ),
+]
 
 
 @pytest.fixture(params=["grpc", "http/protobuf"])
@@ -86,8 +106,11 @@ def test_metric_points_equal_what_the_records_said(exported: tuple[OtlpReceiver,
     assert drops[frozenset({sc.ATTR_DROP_REASON: "host_pressure", sc.ATTR_POOL: "kv"}.items())] == 48
     prefill = _sum_points(rx, sc.METRIC_PREFILL_TOKENS)
     assert {dict(k)[sc.ATTR_PREFILL_MODE]: v for k, v in prefill.items()} == {
-        "input": 100, "device_hit": 60, "host_hit": 30, "storage_hit": 10,
-    }  # fmt: skip
+        "input": 100,
+        "device_hit": 60,
+        "host_hit": 30,
+        "storage_hit": 10,
+    }
 
     metric = rx.latest_metric(sc.METRIC_TRANSFER_DURATION)
     assert metric is not None

@@ -153,8 +153,12 @@ HOST = textwrap.dedent(
 
 
 def start_host(endpoint: str, protocol: str, n: int, then: str) -> subprocess.Popen[str]:
-    host = subprocess.Popen([sys.executable, "-c", HOST, endpoint, protocol, str(n), then], stdout=subprocess.PIPE,
-                            text=True, env=clean_env())  # fmt: skip
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST, endpoint, protocol, str(n), then],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
     assert host.stdout is not None and host.stdout.readline().strip() == "recorded"
     return host
 
@@ -186,8 +190,11 @@ def test_a_killed_host_still_delivers_everything_it_counted(sig: signal.Signals)
 
 def test_shutdown_releases_the_shared_memory_and_a_closed_telemetry_starts_nothing() -> None:
     def memfds() -> int:
-        return sum("otel-hicache" in os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
-                   if os.path.exists(f"/proc/self/fd/{fd}"))  # fmt: skip
+        return sum(
+            "otel-hicache" in os.readlink(f"/proc/self/fd/{fd}")
+            for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")
+        )
 
     before = memfds()
     with OtlpReceiver() as rx:
@@ -219,8 +226,13 @@ FLUSH_THEN_EXIT = textwrap.dedent(
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_an_export_process_stuck_on_a_black_hole_still_ends_soon_after_its_host(protocol: str, black_hole: str) -> None:
-    host = subprocess.run([sys.executable, "-c", FLUSH_THEN_EXIT, black_hole, protocol], capture_output=True,
-                          text=True, env=clean_env(), timeout=60)  # fmt: skip
+    host = subprocess.run(
+        [sys.executable, "-c", FLUSH_THEN_EXIT, black_hole, protocol],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=60,
+    )
     assert host.returncode == 0, host.stderr
     exporter = int(host.stdout.split()[-1])
     deadline = time.monotonic() + 15  # its last export gets 5 s, whatever the collector does (was 82 s)

@@ -131,8 +131,9 @@ def test_prometheus_port_serves_the_vocabulary_under_prometheus_names() -> None:
         assert setup.prometheus_address is not None
         host, port = setup.prometheus_address
         body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
-        tokens = re.search(r'^hicache_transfer_tokens_total\{hicache_operation="backup",hicache_pool="kv",.*\} (\S+)$',
-                           body, re.M)  # fmt: skip
+        tokens = re.search(
+            r'^hicache_transfer_tokens_total\{hicache_operation="backup",hicache_pool="kv",.*\} (\S+)$', body, re.M
+        )
         assert tokens is not None and float(tokens.group(1)) == 5.0
         assert "hicache_transfer_size_bytes_total" in body
         assert "hicache_transfer_duration_seconds_bucket" in body
@@ -159,8 +160,11 @@ def test_prometheus_port_in_use_is_a_config_error() -> None:
 def test_configure_env_drives_the_resource_and_the_apps_providers() -> None:
     """Was: service.name stayed otel-hicache and the app's spans went to localhost:4317 (os.environ's defaults)."""
     with OtlpReceiver() as rx:
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.grpc_endpoint, "OTEL_SERVICE_NAME": "svc-from-env",
-               "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=env-test"}  # fmt: skip
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": rx.grpc_endpoint,
+            "OTEL_SERVICE_NAME": "svc-from-env",
+            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=env-test",
+        }
         setup = configure(env=env)
         try:
             setup.telemetry.record_transfer(record())
@@ -170,8 +174,12 @@ def test_configure_env_drives_the_resource_and_the_apps_providers() -> None:
             assert rx.wait_for(lambda: any(r.get("service.name") == "svc-from-env" for r in resources(rx)), 30)
             assert all(r["deployment.environment"] == "env-test" for r in resources(rx))
             assert rx.wait_for(lambda: "app-span" in {s.name for s in rx.spans()}, 30)
-            app = [rs.resource for r in rx.trace_requests for rs in r.resource_spans
-                   if any(s.name == "app-span" for ss in rs.scope_spans for s in ss.spans)]  # fmt: skip
+            app = [
+                rs.resource
+                for r in rx.trace_requests
+                for rs in r.resource_spans
+                if any(s.name == "app-span" for ss in rs.scope_spans for s in ss.spans)
+            ]
             assert attributes(app[0].attributes)["service.name"] == "svc-from-env"
         finally:
             setup.shutdown()
@@ -206,8 +214,11 @@ def test_a_pinned_instance_id_that_an_open_telemetry_uses_is_refused_until_it_is
 def test_a_list_of_trace_exporters_sends_the_spans_to_each(capsys: pytest.CaptureFixture[str]) -> None:
     """The specification allows a list (was: OTEL_TRACES_EXPORTER='otlp,console' refused)."""
     with OtlpReceiver() as rx:
-        env = {"OTEL_TRACES_EXPORTER": "otlp,console", "OTEL_METRICS_EXPORTER": "none",
-               "OTEL_EXPORTER_OTLP_ENDPOINT": rx.grpc_endpoint}  # fmt: skip
+        env = {
+            "OTEL_TRACES_EXPORTER": "otlp,console",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": rx.grpc_endpoint,
+        }
         setup = configure(env=env)
         setup.telemetry.record_transfer(record())
         setup.shutdown()

@@ -195,9 +195,14 @@ class TestMetricPoints:
 class TestSpans:
     def test_one_span_per_merged_transfer_with_per_pool_attributes_and_explicit_times(self, sdk: Sdk) -> None:
         sdk.telemetry.record_transfer(
-            backup({"kv": 16, "swa": 4}, 5000, bytes_by_pool={"kv": 4096, "swa": 904}, write_policy="write_back",
-                   io_backend="kernel")
-        )  # fmt: skip
+            backup(
+                {"kv": 16, "swa": 4},
+                5000,
+                bytes_by_pool={"kv": 4096, "swa": 904},
+                write_policy="write_back",
+                io_backend="kernel",
+            )
+        )
         (span,) = sdk.spans()
         assert span.name == "hicache.backup"
         assert span.kind == trace.SpanKind.INTERNAL
@@ -295,12 +300,19 @@ class TestTransferSites:
             with_record.telemetry.record_transfer(
                 backup({"kv": 16, "swa": 4}, write_policy="write_back", io_backend="kernel")
             )
-            site = at_site.telemetry.transfer_site(TransferOperation.BACKUP, timing_source=TimingSource.CUDA_EVENT,
-                                                   write_policy="write_back", io_backend="kernel")  # fmt: skip
+            site = at_site.telemetry.transfer_site(
+                TransferOperation.BACKUP,
+                timing_source=TimingSource.CUDA_EVENT,
+                write_policy="write_back",
+                io_backend="kernel",
+            )
             at_site.telemetry.record_transfer_at(site, {"kv": 16, "swa": 4}, 4096, T0, T0 + 3_000_000, 0.002, 4, 3)
             (expected,), (span,) = with_record.spans(), at_site.spans()
-            assert (span.name, span.start_time, span.end_time) == (expected.name, expected.start_time,
-                                                                   expected.end_time)  # fmt: skip
+            assert (span.name, span.start_time, span.end_time) == (
+                expected.name,
+                expected.start_time,
+                expected.end_time,
+            )
             assert attributes_of(span) == attributes_of(expected)
             assert at_site.counters() == with_record.counters()
             durations, expected_durations = (s.points(sc.METRIC_TRANSFER_DURATION) for s in (at_site, with_record))
@@ -380,8 +392,9 @@ class TestTransferSites:
                 return str.__hash__(self)
 
         forged = validation.Site(TransferOperation.BACKUP, TimingSource.NONE, Reentrant("write_back"), None, ())
-        caller = threading.Thread(target=sdk.telemetry.record_transfer_at, args=(forged, {"kv": 1}, 100, T0, T0),
-                                  daemon=True)  # fmt: skip
+        caller = threading.Thread(
+            target=sdk.telemetry.record_transfer_at, args=(forged, {"kv": 1}, 100, T0, T0), daemon=True
+        )
         caller.start()
         caller.join(10)
         assert not caller.is_alive(), "a site's label read under the telemetry's lock deadlocked it"
@@ -625,9 +638,13 @@ def test_token_metrics_off_leaves_out_every_instrument_counted_in_tokens_and_kee
     reported = set(sdk.metrics())
     in_tokens = {spec.name for spec in sc.INSTRUMENTS if spec.unit == sc.UNIT_TOKEN}
     assert in_tokens == {
-        sc.METRIC_TRANSFER_TOKENS, sc.METRIC_DROPPED_TOKENS, sc.METRIC_EVICTION_TOKENS, sc.METRIC_PREFILL_TOKENS,
-        sc.METRIC_POOL_USAGE, sc.METRIC_POOL_LIMIT,
-    }  # fmt: skip
+        sc.METRIC_TRANSFER_TOKENS,
+        sc.METRIC_DROPPED_TOKENS,
+        sc.METRIC_EVICTION_TOKENS,
+        sc.METRIC_PREFILL_TOKENS,
+        sc.METRIC_POOL_USAGE,
+        sc.METRIC_POOL_LIMIT,
+    }
     assert not reported & in_tokens
     assert {sc.METRIC_TRANSFER_SIZE, sc.METRIC_TRANSFER_DURATION} <= reported  # bytes and time are per rank
     assert (

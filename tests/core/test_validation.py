@@ -125,16 +125,26 @@ def test_numpy_and_torch_scalars_become_plain_ints_and_floats(sdk: Sdk, caplog: 
     with caplog.at_level(logging.WARNING):
         for _ in range(100):
             sdk.telemetry.record_transfer(
-                backup({"kv": np.int64(16), "swa": torch.tensor(4)}, np.uint32(2000), copy_duration_s=np.float32(0.25),
-                       merged_ops=np.int16(3), node_count=np.int64(2))
-            )  # fmt: skip
+                backup(
+                    {"kv": np.int64(16), "swa": torch.tensor(4)},
+                    np.uint32(2000),
+                    copy_duration_s=np.float32(0.25),
+                    merged_ops=np.int16(3),
+                    node_count=np.int64(2),
+                )
+            )
         spans = sdk.spans()
         sdk.metrics()
     assert kv(sdk) == 1600
     assert len(spans) == 100
     attrs = attributes_of(spans[0])
-    for name in ("hicache.transfer.tokens.kv", "hicache.transfer.tokens.swa", "hicache.transfer.byte_count",
-                 "hicache.transfer.merged_ops", "hicache.transfer.nodes"):  # fmt: skip
+    for name in (
+        "hicache.transfer.tokens.kv",
+        "hicache.transfer.tokens.swa",
+        "hicache.transfer.byte_count",
+        "hicache.transfer.merged_ops",
+        "hicache.transfer.nodes",
+    ):
         assert type(attrs[name]) is int, name
     assert type(attrs["hicache.transfer.copy_duration"]) is float
     assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]  # no SDK type warnings

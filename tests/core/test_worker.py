@@ -33,8 +33,14 @@ def make(max_queue: int = 64) -> tuple[HostWorker, Tally]:
         tally.transfer(validation.transfer(record, KNOWN))
 
     worker = HostWorker(tally, count, max_queue=max_queue, interval_s=0.05, shared=False)
-    consumer = InProcessConsumer(worker.channel, trace.NoOpTracerProvider(), metrics.NoOpMeterProvider(),
-                                 spans=False, token_metrics=True, before_collect=lambda: None)  # fmt: skip
+    consumer = InProcessConsumer(
+        worker.channel,
+        trace.NoOpTracerProvider(),
+        metrics.NoOpMeterProvider(),
+        spans=False,
+        token_metrics=True,
+        before_collect=lambda: None,
+    )
     worker.attach(consumer)
     return worker, tally
 

@@ -73,20 +73,34 @@ def test_every_sglang_hicache_series_in_the_reference_has_an_otel_equivalent() -
         else set()
     )
     listed |= {
-        "sglang:hicache_backup_tokens_total", "sglang:hicache_backup_bytes_total",
-        "sglang:hicache_backup_duration_seconds", "sglang:load_back_tokens_total", "sglang:load_back_bytes_total",
-        "sglang:load_back_duration_seconds", "sglang:hicache_dropped_tokens_total", "sglang:evicted_tokens_total",
-        "sglang:eviction_duration_seconds", "sglang:prefill_effective_tokens_total",
-        "sglang:hicache_host_used_tokens", "sglang:hicache_host_total_tokens", "sglang:prefetched_tokens_total",
+        "sglang:hicache_backup_tokens_total",
+        "sglang:hicache_backup_bytes_total",
+        "sglang:hicache_backup_duration_seconds",
+        "sglang:load_back_tokens_total",
+        "sglang:load_back_bytes_total",
+        "sglang:load_back_duration_seconds",
+        "sglang:hicache_dropped_tokens_total",
+        "sglang:evicted_tokens_total",
+        "sglang:eviction_duration_seconds",
+        "sglang:prefill_effective_tokens_total",
+        "sglang:hicache_host_used_tokens",
+        "sglang:hicache_host_total_tokens",
+        "sglang:prefetched_tokens_total",
         "sglang:backuped_tokens_total",
-    }  # fmt: skip
+    }
     mapped = {sglang.split("{")[0] for sglang, _ in SGLANG_SERIES}
     assert listed <= mapped
     otel_families = {
-        "hicache_transfer_tokens_total", "hicache_transfer_size_bytes_total", "hicache_transfer_duration_seconds",
-        "hicache_dropped_tokens_total", "hicache_eviction_tokens_total", "hicache_eviction_duration_seconds",
-        "hicache_prefill_tokens_total", "hicache_pool_usage", "hicache_pool_limit",
-    }  # fmt: skip
+        "hicache_transfer_tokens_total",
+        "hicache_transfer_size_bytes_total",
+        "hicache_transfer_duration_seconds",
+        "hicache_dropped_tokens_total",
+        "hicache_eviction_tokens_total",
+        "hicache_eviction_duration_seconds",
+        "hicache_prefill_tokens_total",
+        "hicache_pool_usage",
+        "hicache_pool_limit",
+    }
     for _, ours in SGLANG_SERIES:
         assert ours.split("{")[0] in otel_families, ours
 

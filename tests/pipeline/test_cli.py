@@ -113,7 +113,7 @@ def test_seed_selects_the_workload() -> None:
 
 
 #: (flags, OTEL_* variables, what the one "Error:" line must say: the flag or variable and the accepted form)
-BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
+BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [  # unformatted: one case a line, as the table reads
     (["--requests", "0"], {}, "Invalid value for '--requests': 0 is not in the range x>=1"),
     (["--requests", "-5"], {}, "Invalid value for '--requests'"),
     (["--requests", "many"], {}, "Invalid value for '--requests'"),
@@ -163,8 +163,10 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [
 
 
 @pytest.mark.parametrize(
-    ("args", "env", "message"), BAD_INPUT, ids=[" ".join(a) or ",".join(f"{k}={v}" for k, v in e.items()) for a, e, _ in BAD_INPUT]
-)  # fmt: skip
+    ("args", "env", "message"),
+    BAD_INPUT,
+    ids=[" ".join(a) or ",".join(f"{k}={v}" for k, v in e.items()) for a, e, _ in BAD_INPUT],
+)
 def test_bad_flags_and_variables_exit_2_with_one_line_naming_them(
     args: list[str], env: dict[str, str], message: str
 ) -> None:
@@ -172,8 +174,11 @@ def test_bad_flags_and_variables_exit_2_with_one_line_naming_them(
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     result = subprocess.run(
         [sys.executable, "-m", "otel_hicache.cli", "demo", "--no-progress", *(args or ["--requests", "5"])],
-        env={**clean, **env}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr
@@ -206,9 +211,18 @@ def test_a_taken_prometheus_port_is_a_clear_error() -> None:
 def test_endpoint_delivers_spans_and_metrics_to_an_otlp_receiver(protocol: str, endpoint: str) -> None:
     with OtlpReceiver() as receiver:
         result = run(
-            "demo", "--requests", "30", "--no-progress", "--json",
-            "--endpoint", getattr(receiver, endpoint), "--protocol", protocol, "--service-name", "cli-test",
-        )  # fmt: skip
+            "demo",
+            "--requests",
+            "30",
+            "--no-progress",
+            "--json",
+            "--endpoint",
+            getattr(receiver, endpoint),
+            "--protocol",
+            protocol,
+            "--service-name",
+            "cli-test",
+        )
         assert result.exit_code == 0, result.output
         body = json.loads(result.output)
         assert body["mode"] == "otlp"
@@ -233,9 +247,12 @@ def test_endpoint_delivers_spans_and_metrics_to_an_otlp_receiver(protocol: str, 
 def test_otlp_endpoint_from_the_standard_environment_variable() -> None:
     with OtlpReceiver() as receiver:
         result = run(
-            "demo", "--requests", "20", "--no-progress",
+            "demo",
+            "--requests",
+            "20",
+            "--no-progress",
             env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
-        )  # fmt: skip
+        )
         assert result.exit_code == 0, result.output
         assert "Exported over OTLP" in result.output
         assert receiver.spans() and receiver.latest_metric(sc.METRIC_PREFILL_TOKENS) is not None
@@ -250,8 +267,17 @@ def test_prometheus_port_serves_the_run_while_lingering() -> None:
 
     port = free_port()
     script = shutil.which("otel-hicache") or f"{sys.executable} -m otel_hicache.cli"
-    command = [*script.split(), "demo", "--requests", "20", "--no-progress", "--prometheus-port", str(port),
-               "--linger", "30"]  # fmt: skip
+    command = [
+        *script.split(),
+        "demo",
+        "--requests",
+        "20",
+        "--no-progress",
+        "--prometheus-port",
+        str(port),
+        "--linger",
+        "30",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline, text = time.monotonic() + 60, ""

@@ -124,8 +124,12 @@ def test_exporting_collectors_send_traces_to_jaeger_over_otlp_and_serve_open_met
 def test_a_dead_processs_series_leave_the_scrape_within_minutes_but_outlast_a_late_export(name: str) -> None:
     """metric_expiration: above 2x the SDK's default export interval (60 s), well under the pool alert's 15 m."""
     expiration = duration_s(load(COLLECTORS[name])["exporters"]["prometheus"]["metric_expiration"])
-    pool_alert = next(r for g in load(CONFIG / "rules" / "hicache.rules.yml")["groups"] for r in g["rules"]
-                      if r.get("alert") == "HiCacheHostPoolSaturated")  # fmt: skip
+    pool_alert = next(
+        r
+        for g in load(CONFIG / "rules" / "hicache.rules.yml")["groups"]
+        for r in g["rules"]
+        if r.get("alert") == "HiCacheHostPoolSaturated"
+    )
     assert 2 * 60 <= expiration <= 5 * 60 < duration_s(pool_alert["for"])
 
 
@@ -299,8 +303,12 @@ def test_ports_agree_demo_to_collector_to_jaeger_and_prometheus() -> None:
     assert port_of(self_target) == reader["port"]
 
     # what the collector listens on is published
-    assert {4317, 4318, port_of(collector["exporters"]["prometheus"]["endpoint"]),
-            port_of(collector["extensions"]["health_check"]["endpoint"])} <= published("otel-collector")  # fmt: skip
+    assert {
+        4317,
+        4318,
+        port_of(collector["exporters"]["prometheus"]["endpoint"]),
+        port_of(collector["extensions"]["health_check"]["endpoint"]),
+    } <= published("otel-collector")
     assert port_of(jaeger["extensions"]["jaeger_query"]["http"]["endpoint"]) in published("jaeger")
 
 

@@ -28,7 +28,7 @@ MISSING_FILE = "/nonexistent/otel-hicache/ca.pem"
 NOT_PEM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__init__.py")  # a readable file, no certificate
 
 #: (variables, the text the message must contain: the variable's name and the accepted form)
-BAD_ENV: list[tuple[dict[str, str], str]] = [
+BAD_ENV: list[tuple[dict[str, str], str]] = [  # unformatted: one case a line, as the table reads
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://[::1' is not valid; use an http:// or https:// URL"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:70000"}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://localhost:70000'"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:0"}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://localhost:0'"),
@@ -105,13 +105,16 @@ BAD_ARGUMENTS: list[tuple[dict[str, Any], str]] = [
     ({"resource_attributes": {"k": object}}, "resource_attributes['k']="),
     ({"pools": "kv"}, "pools='kv': use a non-empty sequence of pool names"),
     ({"pools": ()}, "pools=(): use a non-empty sequence"),
-    ({"extra_pools": [f"pool{i}" for i in range(100)]}, "extra_pools: 100 names beyond the standard pools; use at most 64"),
+    (
+        {"extra_pools": [f"pool{i}" for i in range(100)]},
+        "extra_pools: 100 names beyond the standard pools; use at most 64",
+    ),
     ({"extra_pools": "swa_extra"}, "extra_pools='swa_extra': use a sequence of pool names"),
     ({"endpoint": "http://localhost:4317 "}, "endpoint='http://localhost:4317 ' is not valid"),
     ({"cardinality_limit": 0}, "cardinality_limit=0: use an integer >= 1"),
     ({"cardinality_limit": 1.5}, "cardinality_limit=1.5"),
     ({"set_global": "yes"}, "set_global='yes': use True or False"),
-]  # fmt: skip
+]
 
 
 def case_id(case: tuple[dict[str, Any], str]) -> str:
@@ -245,8 +248,13 @@ def test_no_endpoint_means_embedded_and_prometheus_takes_its_host_and_port_from_
         ("embedded",),
         None,
     )
-    prom = validate({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "0.0.0.0",
-                     "OTEL_EXPORTER_PROMETHEUS_PORT": "0"})  # fmt: skip
+    prom = validate(
+        {
+            "OTEL_METRICS_EXPORTER": "prometheus",
+            "OTEL_EXPORTER_PROMETHEUS_HOST": "0.0.0.0",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": "0",
+        }
+    )
     assert (prom.metrics_exporters, prom.prometheus_host, prom.prometheus_port) == (("prometheus",), "0.0.0.0", 0)
     assert validate({"OTEL_METRICS_EXPORTER": "prometheus"}).prometheus_port == 9464
 

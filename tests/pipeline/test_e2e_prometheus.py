@@ -110,10 +110,24 @@ def live_demo(prometheus: Prometheus) -> Iterator[Prometheus]:
             os.environ, OTEL_METRIC_EXPORT_INTERVAL="1000", OTEL_BSP_SCHEDULE_DELAY="200", OTEL_SERVICE_NAME="e2e"
         )
         process = subprocess.Popen(
-            [sys.executable, "-m", "otel_hicache.cli", "demo", "--seconds", "60", "--no-progress",
-             "--prometheus-port", str(prometheus.target_port), "--endpoint", receiver.grpc_endpoint],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "otel_hicache.cli",
+                "demo",
+                "--seconds",
+                "60",
+                "--no-progress",
+                "--prometheus-port",
+                str(prometheus.target_port),
+                "--endpoint",
+                receiver.grpc_endpoint,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             prometheus.wait_for_data(DEMO_READY, process, "the demo", timeout_s=60)
             yield prometheus
@@ -194,9 +208,12 @@ def panel_targets(bandwidth: bool = False) -> list[tuple[str, str, str]]:
     """(title, query, legend) of every panel target (rows hold none); only the bandwidth panel's with
     ``bandwidth``, else all others but those on an engine's own prefill timing (see RECOMPUTE)."""
     dashboard = json.loads(DASHBOARD.read_text())
-    return [(p["title"], t["expr"], t.get("legendFormat", ""))
-            for p in dashboard["panels"] for t in p.get("targets", [])
-            if (p["id"] == BANDWIDTH_PANEL) == bandwidth and RECOMPUTE not in t["expr"]]  # fmt: skip
+    return [
+        (p["title"], t["expr"], t.get("legendFormat", ""))
+        for p in dashboard["panels"]
+        for t in p.get("targets", [])
+        if (p["id"] == BANDWIDTH_PANEL) == bandwidth and RECOMPUTE not in t["expr"]
+    ]
 
 
 @pytest.mark.parametrize(("title", "expr", "legend"), panel_targets(), ids=[f"{t[0]}:{t[2]}" for t in panel_targets()])
@@ -228,8 +245,10 @@ def test_the_new_answers_describe_the_demo(live_demo: Prometheus) -> None:
     assert {s["metric"]["hicache_engine"] for s in wasted} == {"reference"}  # from target_info
     assert {"backup", "storage_backup"} <= {s["metric"]["hicache_operation"] for s in wasted}
     assert all(0 <= float(s["value"][1]) <= 1 for s in wasted if s["value"][1] != "NaN")
-    loads = {s["metric"]["hicache_operation"]: float(s["value"][1])
-             for s in live_demo.query("hicache:load_seconds_per_token:rate5m")}  # fmt: skip
+    loads = {
+        s["metric"]["hicache_operation"]: float(s["value"][1])
+        for s in live_demo.query("hicache:load_seconds_per_token:rate5m")
+    }
     assert set(loads) <= {"load_back", "storage_prefetch"} and 0 < loads["load_back"] < 1
 
 
@@ -276,8 +295,9 @@ def test_bandwidth_from_timed_transfers_per_timing_source(live_demo: Prometheus)
     (source,) = timed
 
     result = assert_rule_returns_data_with_its_labels(live_demo, "hicache:transfer_bandwidth_bytes_per_second:rate5m")
-    bandwidth = {(s["metric"]["hicache_operation"], s["metric"]["hicache_timing_source"]): float(s["value"][1])
-                 for s in result}  # fmt: skip
+    bandwidth = {
+        (s["metric"]["hicache_operation"], s["metric"]["hicache_timing_source"]): float(s["value"][1]) for s in result
+    }
     assert bandwidth[("backup", source)] > 0 and bandwidth[("load_back", source)] > 0
     assert all(src != "none" for _, src in bandwidth), bandwidth
 

@@ -94,16 +94,29 @@ RECOMPUTE_FAULTS = [
     (
         "copy seconds of every TP rank added up",
         "hicache:load_seconds_per_token:rate5m",
-        [("and on (job, instance, hicache_operation) sum by (job, instance, hicache_operation) "
-          '(hicache_transfer_tokens_total{hicache_pool="kv"})', "")],
+        [
+            (
+                "and on (job, instance, hicache_operation) sum by (job, instance, hicache_operation) "
+                '(hicache_transfer_tokens_total{hicache_pool="kv"})',
+                "",
+            )
+        ],
     ),
     (
         "untimed copies taken as free",
         "hicache:load_seconds_per_token:rate5m",
-        [('* sum by (job, instance, hicache_operation) (rate(hicache_transfer_size_bytes_total{hicache_operation=~"'
-          'load_back|storage_prefetch"}[5m]))', ""), ('/ (sum by (job, instance, hicache_operation) (rate('
-          'hicache_transfer_size_bytes_total{hicache_operation=~"load_back|storage_prefetch", hicache_timing_source!="'
-          'none"}[5m])) > 0)', "")],
+        [
+            (
+                "* sum by (job, instance, hicache_operation) (rate(hicache_transfer_size_bytes_total"
+                '{hicache_operation=~"load_back|storage_prefetch"}[5m]))',
+                "",
+            ),
+            (
+                "/ (sum by (job, instance, hicache_operation) (rate(hicache_transfer_size_bytes_total"
+                '{hicache_operation=~"load_back|storage_prefetch", hicache_timing_source!="none"}[5m])) > 0)',
+                "",
+            ),
+        ],
     ),
     (
         "state slots counted as tokens",
@@ -125,7 +138,7 @@ RECOMPUTE_FAULTS = [
         "HiCacheLoadSlowerThanRecompute",
         [('rate5m{hicache_operation="load_back"}', "rate5m")],
     ),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("fault", "rule", "edits"), RECOMPUTE_FAULTS, ids=[f for f, _, _ in RECOMPUTE_FAULTS])

@@ -40,10 +40,14 @@ def transfer(
 ) -> TransferRecord:
     t0 = now_ns()
     return TransferRecord(
-        operation=op, tokens_by_pool={pool: tokens}, num_bytes=nbytes, submit_time_ns=t0,
-        complete_time_ns=t0 + 1_000_000, copy_duration_s=duration,
+        operation=op,
+        tokens_by_pool={pool: tokens},
+        num_bytes=nbytes,
+        submit_time_ns=t0,
+        complete_time_ns=t0 + 1_000_000,
+        copy_duration_s=duration,
         timing_source=TimingSource.HOST_CLOCK if duration is not None else TimingSource.NONE,
-    )  # fmt: skip
+    )
 
 
 def test_hit_rates_are_each_tiers_share_of_all_prefill_tokens(setup: TelemetrySetup) -> None:

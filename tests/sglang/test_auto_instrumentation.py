@@ -85,8 +85,10 @@ def _nonzero_tokens(receiver: OtlpReceiver) -> dict[tuple[str, str], int]:
     tokens = receiver.latest_metric(sc.METRIC_TRANSFER_TOKENS)
     if tokens is None:
         return {}
-    points = {(attributes(p.attributes)[sc.ATTR_OPERATION], attributes(p.attributes)[sc.ATTR_POOL]): p.as_int
-              for p in tokens.sum.data_points}  # fmt: skip
+    points = {
+        (attributes(p.attributes)[sc.ATTR_OPERATION], attributes(p.attributes)[sc.ATTR_POOL]): p.as_int
+        for p in tokens.sum.data_points
+    }
     return {k: v for k, v in points.items() if v}
 
 

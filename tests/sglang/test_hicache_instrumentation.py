@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 
 from otel_hicache import semconv as sc
 from otel_hicache.summary import by_first
-from otel_hicache.testing.sdk import Sdk, attributes_of
+from otel_hicache.testing.sdk import Sdk, attributes_of, times_of
 from otel_hicache.testing.sglang import build_hicache
 
 pytestmark = pytest.mark.sglang
@@ -188,7 +188,8 @@ def test_round_trip_matches_sglang_metrics_and_acks(policy: str, instrumented: S
     for span in spans:  # CPU events cannot time: no duration rather than a made-up one
         assert attributes_of(span)[sc.ATTR_TIMING_SOURCE] == "none"
         assert sc.ATTR_COPY_DURATION not in attributes_of(span)
-        assert span.start_time <= span.end_time
+        start, end = times_of(span)
+        assert start <= end
 
 
 def test_merged_backups_become_one_span_with_the_merged_op_count(instrumented: Sdk, sglang_metrics: Any) -> None:
@@ -339,7 +340,10 @@ def test_a_failing_wrapper_logs_once_and_sglang_runs_unchanged(
     assert sglang["backup_kv"] == len(SEQ_A) + len(SEQ_B)  # SGLang still counted everything
     assert sglang["load_back_kv"] == len(SEQ_A)
     failures = [r for r in caplog.records if "runs unchanged" in r.getMessage()]
-    hooks = [r.args[1] for r in failures]
+    hooks = []
+    for record in failures:
+        assert isinstance(record.args, tuple)  # logged with %-style arguments: (engine, hook)
+        hooks.append(record.args[1])
     assert len(hooks) == len(set(hooks)) >= 2  # each failing hook said so exactly once
 
 
@@ -362,14 +366,10 @@ def test_stat_logger_classes_send_sglang_series_over_otel_without_the_hicache_on
     assert REGISTRY.get_sample_value("sglang:storage_prefetch_hit_tokens_total", labels) == 64
     assert REGISTRY.get_sample_value("sglang:backuped_tokens_total", labels) == 32
     # ...and over OTel the same value arrives, except for the series the wrappers own.
-    points = {
-        metric.name: [(dict(p.attributes), p.value) for p in metric.data.data_points]
-        for rm in otel.reader.get_metrics_data().resource_metrics
-        for scope in rm.scope_metrics
-        for metric in scope.metrics
-    }
-    assert points["sglang.storage_prefetch_hit_tokens"] == [(labels, 64)]
-    assert not any("backuped_tokens" in name for name in points)
+    metrics = otel.metrics()
+    prefetch = metrics["sglang.storage_prefetch_hit_tokens"].data.data_points
+    assert [(attributes_of(p), p.value) for p in prefetch] == [(labels, 64)]
+    assert not any("backuped_tokens" in name for name in metrics)
 
 
 def test_acks_queued_before_instrumenting_are_reported_once_consumed(
@@ -397,7 +397,7 @@ def test_acks_queued_before_instrumenting_are_reported_once_consumed(
     assert [attributes_of(s)[sc.ATTR_TOKENS] for s in spans] == [10, 20, 30]
     unknown = spans[1]  # SEQ_A's ack: its span starts when it was seen complete
     assert unknown.start_time == unknown.end_time
-    assert all(s.start_time < s.end_time for s in (spans[0], spans[2]))
+    assert all(start < end for start, end in map(times_of, (spans[0], spans[2])))
 
 
 def test_every_pool_name_of_this_sglang_is_counted_under_its_own_name(cpu_sglang: None, otel: Sdk) -> None:
@@ -451,6 +451,7 @@ def test_adopted_queues_stay_lists_stop_reporting_when_uninstrumented_and_report
     cpu_sglang: None, otel: Sdk, sglang_metrics: Any
 ) -> None:
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+    from otel_hicache.integrations.sglang.hooks import AckQueue
 
     instrumentor = SGLangHiCacheInstrumentor()
     instrumentor.instrument(telemetry=otel.telemetry, stat_loggers=False)
@@ -459,7 +460,7 @@ def test_adopted_queues_stay_lists_stop_reporting_when_uninstrumented_and_report
         tree.insert(SEQ_A)
         tree.step()
         queue = tree.cc.ack_write_queue
-        assert isinstance(queue, list) and queue.reporter is not None  # adopted at the first submission
+        assert isinstance(queue, AckQueue) and queue.reporter is not None  # adopted at the first submission (a list)
         instrumentor.uninstrument()
         assert queue.reporter is None
         tree.insert(SEQ_B)

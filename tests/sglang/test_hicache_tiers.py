@@ -218,8 +218,11 @@ def test_swa_hybrid_backup_and_load_back_count_the_swa_pool_like_sglang(instrume
     series = {"backup": "sglang:hicache_backup_", "load_back": "sglang:load_back_"}
 
     def sglang_pools() -> dict[tuple[str, str], float]:
-        tokens = {(op, pool): prom(f"{name}tokens_total", RADIX_LABELS, pool=pool) for op, name in series.items()
-                  for pool in ("kv", "swa")}  # fmt: skip
+        tokens = {
+            (op, pool): prom(f"{name}tokens_total", RADIX_LABELS, pool=pool)
+            for op, name in series.items()
+            for pool in ("kv", "swa")
+        }
         return tokens | {(op, "bytes"): prom(f"{name}bytes_total", RADIX_LABELS) for op, name in series.items()}
 
     before = sglang_pools()

@@ -128,8 +128,11 @@ def test_a_request_waiting_for_its_load_back_records_that_wait_once_and_on_its_s
     pump(cache, lambda: not cache.ongoing_write_through, "backup")
     assert cache.evict(EvictParams(num_tokens=len(first) + len(second))).num_tokens_evicted == 40  # host only
 
-    traced, untraced, uncached = (make_request(first + [7] * 5, "traced"), make_request(second + [8] * 3, "untraced"),
-                                  make_request([9] * 6, "uncached"))  # fmt: skip
+    traced, untraced, uncached = (
+        make_request(first + [7] * 5, "traced"),
+        make_request(second + [8] * 3, "untraced"),
+        make_request([9] * 6, "uncached"),
+    )
     traced.time_stats.init_trace_ctx(traced.rid, None)
     traced.time_stats.trace_ctx.trace_req_start()
     request_span: Any = traced.time_stats.trace_ctx.thread_context.thread_span

@@ -51,10 +51,17 @@ BLOCK_BYTES = 2 * 2 * 2 * 32 * 2 * BLOCK_TOKENS
 MAX_MODEL_LEN = 256
 
 LLAMA: dict[str, Any] = {
-    "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 1024,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
-}  # fmt: skip
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
 
 
 def build_model(directory: str | os.PathLike[str]) -> Path:
@@ -94,10 +101,16 @@ def kv_transfer_config(cpu_chunks: int) -> dict[str, Any]:
 def engine_arguments(model: str | os.PathLike[str], cpu_chunks: int, tp: int = 1) -> dict[str, Any]:
     """vLLM's engine arguments (``LLM(**...)``; the server's flags are the same names) for the tiny model."""
     return {
-        "model": str(model), "enforce_eager": True, "num_gpu_blocks_override": GPU_BLOCKS, "block_size": BLOCK_TOKENS,
-        "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "seed": 0, "tensor_parallel_size": tp,
+        "model": str(model),
+        "enforce_eager": True,
+        "num_gpu_blocks_override": GPU_BLOCKS,
+        "block_size": BLOCK_TOKENS,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": 4,
+        "seed": 0,
+        "tensor_parallel_size": tp,
         "kv_transfer_config": kv_transfer_config(cpu_chunks),
-    }  # fmt: skip
+    }
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -142,9 +155,10 @@ class Server:
     def complete(self, text: str, max_tokens: int = 4, headers: dict[str, str] | None = None) -> dict[str, Any]:
         body = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0}
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            json.dumps(body).encode(),
             {"Content-Type": "application/json", **(headers or {})},
-        )  # fmt: skip
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             result: dict[str, Any] = json.load(response)
             return result
@@ -157,8 +171,14 @@ class Server:
 
 
 @contextmanager
-def serve(model: str | os.PathLike[str], cpu_chunks: int, env: dict[str, str], *flags: str, tp: int = 1,
-          timeout_s: float = 240) -> Iterator[Server]:  # fmt: skip
+def serve(
+    model: str | os.PathLike[str],
+    cpu_chunks: int,
+    env: dict[str, str],
+    *flags: str,
+    tp: int = 1,
+    timeout_s: float = 240,
+) -> Iterator[Server]:
     """vLLM's OpenAI server (API server, engine core and ``tp`` worker processes) for the tiny model, up and healthy;
     stopped with SIGTERM (vLLM then stops its engine processes) and waited for."""
     port = _free_port()
@@ -172,9 +192,14 @@ def serve(model: str | os.PathLike[str], cpu_chunks: int, env: dict[str, str], *
             command += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     with tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log") as log:
         process = subprocess.Popen(
-            [*command, *flags], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+            [*command, *flags],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         server = Server(process, port, str(model), log)
         try:
             _wait_healthy(server, timeout_s)
@@ -187,9 +212,14 @@ def run_offline(model: str | os.PathLike[str], env: dict[str, str], *args: str, 
     """Run :mod:`tests.vllm.offline_app` (vLLM's ``LLM`` and its engine processes) to its end; its output. On a
     timeout its whole process group is killed."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.vllm.offline_app", str(model), *args], cwd=ROOT, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "tests.vllm.offline_app", str(model), *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -246,9 +276,8 @@ def vllm_total(metrics: dict[str, float], name: str, **labels: str) -> float:
     """The sum of vLLM's series ``name`` over every series whose labels include ``labels``."""
     wanted = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(
-        v for series, v in metrics.items()
-        if series.partition("{")[0] == name and all(w in series for w in wanted)
-    )  # fmt: skip
+        v for series, v in metrics.items() if series.partition("{")[0] == name and all(w in series for w in wanted)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- what we exported

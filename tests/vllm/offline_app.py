@@ -48,10 +48,15 @@ def main() -> None:
     for seed in (int(s) for s in args.requests.split(",")):
         start = time.monotonic()
         (out,) = llm.generate([prompt(seed)], greedy, use_tqdm=False)
-        requests.append({
-            "seed": seed, "cached": out.num_cached_tokens, "text": out.outputs[0].text,
-            "start": start, "end": time.monotonic(),
-        })  # fmt: skip
+        requests.append(
+            {
+                "seed": seed,
+                "cached": out.num_cached_tokens,
+                "text": out.outputs[0].text,
+                "start": start,
+                "end": time.monotonic(),
+            }
+        )
     for word in ("w1", "w2"):
         llm.generate([word], SamplingParams(max_tokens=1), use_tqdm=False)
     metrics = parse_prometheus(prometheus_client.generate_latest().decode())

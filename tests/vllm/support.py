@@ -14,6 +14,7 @@ import json
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,10 +60,17 @@ SLIDING = SlidingWindowSpec(
 
 
 TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 128,
-    "max_position_embeddings": 256, "torch_dtype": "float16",
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+    "torch_dtype": "float16",
+}
 
 
 class HostCopyWorker(OffloadingWorker):
@@ -75,6 +83,8 @@ class HostCopyWorker(OffloadingWorker):
         self._groups = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
         self._blocks_per_chunk = blocks_per_chunk
         self._finished: deque[TransferResult] = deque()
+        #: What ``get_finished`` passes its results through before vLLM reads them (tests/vllm/test_faults.py).
+        self.alter: Callable[[list[TransferResult]], list[TransferResult]] | None = None
 
     def _copy(self, job_id: int, gpu_spec: GPULoadStoreSpec, chunk_ids: Any, to_host: bool) -> bool:
         """Copy each group's GPU blocks to or from the CPU chunks that follow on from the previous group's."""
@@ -110,7 +120,7 @@ class HostCopyWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         done = list(self._finished)
         self._finished.clear()
-        return done
+        return done if self.alter is None else self.alter(done)
 
     def wait(self, job_ids: set[int]) -> None:
         """Copies are synchronous: nothing to wait for."""
@@ -119,10 +129,14 @@ class HostCopyWorker(OffloadingWorker):
 class HostCopySpec(CPUOffloadingSpec):
     """vLLM's CPU offloading spec (manager, chunk sizing, metrics) with :class:`HostCopyWorker` as its worker."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._host_worker: HostCopyWorker | None = None  # in place of vLLM's ``_worker`` (a CPUOffloadingWorker)
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._worker is None:
-            self._worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)  # type: ignore[assignment]
-        return self._worker  # type: ignore[return-value]
+        if self._host_worker is None:
+            self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+        return self._host_worker
 
 
 def tiny_model() -> ModelConfig:
@@ -294,10 +308,11 @@ def engine(cpu_chunks: int = 8, rank: int = 0, tp: int = 1, groups: tuple[Attent
     worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     generator = torch.Generator().manual_seed(0)
     kv_caches = {
-        name: torch.randint(-128, 127, (NUM_GPU_BLOCKS, ATTENTION.page_size_bytes), dtype=torch.int8,
-                            generator=generator).view(torch.float16)
+        name: torch.randint(
+            -128, 127, (NUM_GPU_BLOCKS, ATTENTION.page_size_bytes), dtype=torch.int8, generator=generator
+        ).view(torch.float16)
         for name in LAYERS
-    }  # fmt: skip
+    }
     worker.register_kv_caches(kv_caches)
     return Engine(scheduler, worker, kv_caches)
 

@@ -72,8 +72,12 @@ def live_vllm(prometheus: Prometheus) -> Iterator[Prometheus]:
         }
         process = subprocess.Popen(
             [sys.executable, "-m", "tests.vllm.offload_app", "--seconds", "90"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             prometheus.wait_for_data(VLLM_READY, process, "the vLLM app", timeout_s=80)
             yield prometheus

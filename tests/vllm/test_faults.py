@@ -29,10 +29,8 @@ def faulty_engine(alter: Alter) -> support.Engine:
     """An engine whose worker's finished results go through ``alter`` before vLLM reads them."""
     engine = support.engine()
     connector = engine.worker.connector_worker
-    assert connector is not None and connector.worker is not None
-    worker = connector.worker
-    finished = worker.get_finished
-    worker.get_finished = lambda: alter(finished())  # type: ignore[method-assign]
+    assert connector is not None and isinstance(connector.worker, support.HostCopyWorker)
+    connector.worker.alter = alter
     return engine
 
 

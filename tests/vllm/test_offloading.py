@@ -218,14 +218,17 @@ def test_instrumented_with_providers_one_tensor_parallel_rank_reports_tokens(ran
         assert data is not None
         metrics = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
         stored = sum(
-            p.value for p in metrics["hicache.transfer.size"].data.data_points
+            p.value
+            for p in metrics["hicache.transfer.size"].data.data_points
             if isinstance(p, NumberDataPoint) and dict(p.attributes or {})["hicache.operation"] == "backup"
-        )  # fmt: skip
+        )
         assert stored == vllm["vllm:kv_offload_store_bytes"] > 0
         assert ("hicache.transfer.tokens" in metrics) is reports_tokens
     finally:
         instrumentor.uninstrument()
-        instrumentor.telemetry.shutdown()  # type: ignore[union-attr]
+        telemetry = instrumentor.telemetry  # None when the engine failed before its first record
+        if telemetry is not None:
+            telemetry.shutdown()
         meter_provider.shutdown()
 
 

@@ -30,8 +30,12 @@ def run_app(receiver: OtlpReceiver, *args: str, **env: str) -> dict[str, float]:
     }
     done = subprocess.run(
         [sys.executable, "-m", "tests.vllm.offload_app", *args],
-        cwd=ROOT, env=environment, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -133,9 +133,10 @@ def request_spans(served: Run) -> list[Span]:
 
     def spans() -> list[Span]:
         return [
-            s for s in served.exported.receiver.spans()
+            s
+            for s in served.exported.receiver.spans()
             if s.name == "llm_request" and span_attributes(s).get("gen_ai.usage.prompt_tokens") == PROMPT_TOKENS
-        ]  # fmt: skip
+        ]
 
     assert served.exported.wait(lambda: len(spans()) == 4), (
         [s.name for s in served.exported.receiver.spans()],
@@ -161,9 +162,11 @@ def test_vllms_request_span_carries_the_tier_split_and_the_wait_for_the_cpu_tier
     # the wait's exemplar (in the export after the point was recorded) is the request's trace
     exemplars = {
         e.trace_id.hex()
-        for metric in served.exported.receiver.metrics() if metric.name == "hicache.request.kv_wait"
-        for point in metric.histogram.data_points for e in point.exemplars
-    }  # fmt: skip
+        for metric in served.exported.receiver.metrics()
+        if metric.name == "hicache.request.kv_wait"
+        for point in metric.histogram.data_points
+        for e in point.exemplars
+    }
     assert exemplars == {CLIENTS[3]["traceparent"].split("-")[1]}
 
 

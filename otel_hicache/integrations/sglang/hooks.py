@@ -507,8 +507,9 @@ class HiCacheHooks(EngineHooks):
         if (any(split) or other or span is not None) and telemetry is not None:
             telemetry.record_prefix_split(split, request_span=span, other_hit=other)
             if span is not None:
-                span.set_attribute(f"{ATTR_PREFIX_TOKENS}.{PrefillMode.INPUT.value}",
-                                   self._admitted_input.pop(instance, 0))  # fmt: skip
+                span.set_attribute(
+                    f"{ATTR_PREFIX_TOKENS}.{PrefillMode.INPUT.value}", self._admitted_input.pop(instance, 0)
+                )
         return result
 
     # ------------------------------------------------------------------ L3 storage

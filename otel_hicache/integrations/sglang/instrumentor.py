@@ -56,8 +56,13 @@ _STAT_LOGGER_MODULES: Final[tuple[str, ...]] = (
     "sglang.srt.mem_cache.unified_cache.storage_attachment",  # storage role
 )
 #: SGLang's parallel-context field for each rank we read.
-_RANK_FIELDS: Final = {"tp": "tp_rank", "pp": "pp_rank", "dp": "dp_rank", "attn_tp": "attn_tp_rank",
-                       "attn_cp": "attn_cp_rank"}  # fmt: skip
+_RANK_FIELDS: Final = {
+    "tp": "tp_rank",
+    "pp": "pp_rank",
+    "dp": "dp_rank",
+    "attn_tp": "attn_tp_rank",
+    "attn_cp": "attn_cp_rank",
+}
 
 
 class SGLangHiCacheInstrumentor(EngineInstrumentor):

@@ -36,22 +36,27 @@ SGLANG_POOLS: Final[tuple[str, ...]] = (
 #: Every ``sglang:*`` HiCache series and the otel_hicache series that carries the same quantity. Prometheus names
 #: are what the Collector's ``prometheus`` exporter produces from our OTel names.
 SGLANG_SERIES: Final[tuple[tuple[str, str], ...]] = (
-    ("sglang:hicache_backup_tokens_total{pool}",
-     'hicache_transfer_tokens_total{hicache_operation="backup",hicache_pool}'),
+    (
+        "sglang:hicache_backup_tokens_total{pool}",
+        'hicache_transfer_tokens_total{hicache_operation="backup",hicache_pool}',
+    ),
     ("sglang:hicache_backup_bytes_total", 'hicache_transfer_size_bytes_total{hicache_operation="backup"}'),
     ("sglang:hicache_backup_duration_seconds", 'hicache_transfer_duration_seconds{hicache_operation="backup"}'),
-    ("sglang:load_back_tokens_total{pool}",
-     'hicache_transfer_tokens_total{hicache_operation="load_back",hicache_pool}'),
+    (
+        "sglang:load_back_tokens_total{pool}",
+        'hicache_transfer_tokens_total{hicache_operation="load_back",hicache_pool}',
+    ),
     ("sglang:load_back_bytes_total", 'hicache_transfer_size_bytes_total{hicache_operation="load_back"}'),
     ("sglang:load_back_duration_seconds", 'hicache_transfer_duration_seconds{hicache_operation="load_back"}'),
-    ("sglang:hicache_dropped_tokens_total{reason,pool}",
-     "hicache_dropped_tokens_total{hicache_drop_reason,hicache_pool}"),
+    (
+        "sglang:hicache_dropped_tokens_total{reason,pool}",
+        "hicache_dropped_tokens_total{hicache_drop_reason,hicache_pool}",
+    ),
     ("sglang:evicted_tokens_total", 'hicache_eviction_tokens_total{hicache_tier="device"}'),
     ("sglang:eviction_duration_seconds", 'hicache_eviction_duration_seconds{hicache_tier="device"}'),
     ("sglang:prefill_effective_tokens_total{mode}", "hicache_prefill_tokens_total{hicache_prefill_mode}"),
     ("sglang:hicache_host_used_tokens", 'hicache_pool_usage{hicache_tier="host",hicache_slot_state="used"}'),
     ("sglang:hicache_host_total_tokens", 'hicache_pool_limit{hicache_tier="host"}'),
-    ("sglang:prefetched_tokens_total",
-     'hicache_transfer_tokens_total{hicache_operation="storage_prefetch"}'),
+    ("sglang:prefetched_tokens_total", 'hicache_transfer_tokens_total{hicache_operation="storage_prefetch"}'),
     ("sglang:backuped_tokens_total", 'hicache_transfer_tokens_total{hicache_operation="storage_backup"}'),
-)  # fmt: skip
+)

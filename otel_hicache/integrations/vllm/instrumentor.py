@@ -36,32 +36,55 @@ _OUTPUT_PROCESSOR = "vllm.v1.engine.output_processor"
 _TARGETS: Final[tuple[tuple[Target, str, str], ...]] = (
     # the workers: transfers and the self-check
     (Target(_WORKER, _CONNECTOR_WORKER, "prepare_store_kv", ("metadata",)), "offload", "prepare_store_kv"),
-    (Target(_WORKER, _CONNECTOR_WORKER, "handle_preemptions", ("kv_connector_metadata",)), "offload",
-     "handle_preemptions"),
+    (
+        Target(_WORKER, _CONNECTOR_WORKER, "handle_preemptions", ("kv_connector_metadata",)),
+        "offload",
+        "handle_preemptions",
+    ),
     (Target(_WORKER, _CONNECTOR_WORKER, "start_kv_transfers", ("metadata",)), "offload", "start_kv_transfers"),
     (Target(_WORKER, _CONNECTOR_WORKER, "get_finished"), "offload", "get_finished"),
     (Target(_WORKER, _CONNECTOR_WORKER, "build_connector_worker_meta"), "offload", "build_connector_worker_meta"),
     (Target(_COMMON, "DirectionalTransferStats", "record", ("num_bytes", "time")), "offload", "transfer_stats_record"),
     (Target(_COMMON, "OffloadingWorkerMetadata", "mark_completed", ("job_id",)), "offload", "mark_completed"),
     # the scheduler: failures, the CPU tier, requests
-    (Target(_METRICS, "OffloadingConnectorStats", "increase_counter", ("counter_name", "counter_increase_value")),
-     "offload", "increase_counter"),
+    (
+        Target(_METRICS, "OffloadingConnectorStats", "increase_counter", ("counter_name", "counter_increase_value")),
+        "offload",
+        "increase_counter",
+    ),
     (Target(_CPU_SPEC, "CPUOffloadingSpec", "get_manager"), "tier", "get_manager"),
     (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_store"), "tier", "prepare_store"),
     (Target(_CPU_MANAGER, "CPUOffloadingManager", "_free_chunk", ("chunk",)), "tier", "free_chunk"),
     (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_load"), "tier", "prepare_load"),
     (Target(_SCHEDULER, "Scheduler", "add_request", ("request",)), "requests", "add_request"),
-    (Target(_SCHEDULER, "Scheduler", "_update_waiting_for_remote_kv", ("request",)), "requests",
-     "update_waiting_for_remote_kv"),
-    (Target(_CONNECTOR_SCHEDULER, "OffloadingConnectorScheduler", "update_state_after_alloc",
-            ("request", "blocks", "num_external_tokens")), "requests", "update_state_after_alloc"),
-    (Target(_CONNECTOR_SCHEDULER, "OffloadingConnectorScheduler", "build_connector_meta"), "requests",
-     "build_connector_meta"),
+    (
+        Target(_SCHEDULER, "Scheduler", "_update_waiting_for_remote_kv", ("request",)),
+        "requests",
+        "update_waiting_for_remote_kv",
+    ),
+    (
+        Target(
+            _CONNECTOR_SCHEDULER,
+            "OffloadingConnectorScheduler",
+            "update_state_after_alloc",
+            ("request", "blocks", "num_external_tokens"),
+        ),
+        "requests",
+        "update_state_after_alloc",
+    ),
+    (
+        Target(_CONNECTOR_SCHEDULER, "OffloadingConnectorScheduler", "build_connector_meta"),
+        "requests",
+        "build_connector_meta",
+    ),
     # the frontend: vLLM's request span
     (Target(_OUTPUT_PROCESSOR, "OutputProcessor", "do_tracing", ("engine_core_output",)), "requests", "do_tracing"),
-    (Target(_OUTPUT_PROCESSOR, "", "instrument_manual", ("span_name", "start_time", "end_time", "attributes")),
-     "requests", "instrument_manual"),
-)  # fmt: skip
+    (
+        Target(_OUTPUT_PROCESSOR, "", "instrument_manual", ("span_name", "start_time", "end_time", "attributes")),
+        "requests",
+        "instrument_manual",
+    ),
+)
 
 
 class VLLMOffloadInstrumentor(EngineInstrumentor):
