@@ -289,8 +289,7 @@ class HiCacheTelemetry:
         self._host.add_pool_source(source)
 
     def remove_pool_usage_source(self, source: PoolSource) -> None:
-        if source in self._host.pool_sources:
-            self._host.pool_sources.remove(source)
+        self._host.remove_pool_source(source)
 
     def add_engine_check(self, check: EngineCheck) -> None:
         """Register an engine self-check: ``check()`` returns the names (``semconv.METRIC_*``) of our instruments
@@ -302,8 +301,7 @@ class HiCacheTelemetry:
         self._host.add_engine_check(check)
 
     def remove_engine_check(self, check: EngineCheck) -> None:
-        if check in self._host.engine_checks:
-            self._host.engine_checks.remove(check)
+        self._host.remove_engine_check(check)
 
     # ------------------------------------------------------------------ reading and lifecycle
     @property

@@ -140,6 +140,14 @@ class HostWorker:
         if self._thread is None:
             self._start_thread()
 
+    def remove_pool_source(self, source: PoolSource) -> None:
+        if source in self.pool_sources:
+            self.pool_sources.remove(source)
+
+    def remove_engine_check(self, check: EngineCheck) -> None:
+        if check in self.engine_checks:
+            self.engine_checks.remove(check)
+
     # ------------------------------------------------------------------ starting
     def start(self) -> bool:
         """Start the consumer (the export process: synchronously) and the host thread that looks after it; True once
