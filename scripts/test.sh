@@ -20,11 +20,25 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
   $SUDO systemctl stop prometheus prometheus-node-exporter 2>/dev/null || true
 fi
 
+# Refuse at once, in one line, when the venvs still to be built cannot fit: pip's "No space left on device" comes
+# minutes later, in the middle of an install. Sizes: what each venv takes here.
+need_mb=0
+[[ -x .venv/bin/python ]] || need_mb=$((need_mb + 1200))
+if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
+  sglang_venv=.venv-sglang; [[ "${SGLANG_VERSION:-0.5.23}" == 0.5.23 ]] || sglang_venv=".venv-sglang-$SGLANG_VERSION"
+  [[ -x "$sglang_venv/bin/python" ]] || need_mb=$((need_mb + 6600))
+fi
+[[ "${SKIP_VLLM:-0}" == 1 || -x .venv-vllm/bin/python ]] || need_mb=$((need_mb + 3700))
+free_mb=$(df -Pm . | awk 'NR == 2 {print $4}')
+if ((free_mb < need_mb)); then
+  printf 'test.sh: the test venvs still to be built need about %d MB free in %s; %d MB is (SKIP_SGLANG=1 or SKIP_VLLM=1 needs less)\n' \
+    "$need_mb" "$ROOT" "$free_mb" >&2
+  exit 1
+fi
+
 bash scripts/setup.sh || { echo "test.sh: scripts/setup.sh failed" >&2; exit 1; }
 if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
   bash scripts/setup-sglang-venv.sh || { echo "test.sh: scripts/setup-sglang-venv.sh failed" >&2; exit 1; }
-  SGLANG_VENV=.venv-sglang
-  [[ "${SGLANG_VERSION:-0.5.23}" == 0.5.23 ]] || SGLANG_VENV=".venv-sglang-$SGLANG_VERSION"
 fi
 if [[ "${SKIP_VLLM:-0}" != 1 ]]; then
   bash scripts/setup-vllm-venv.sh || { echo "test.sh: scripts/setup-vllm-venv.sh failed" >&2; exit 1; }
@@ -39,7 +53,7 @@ status=0
 rc=$?; [[ $rc -eq 0 ]] || status=$rc
 
 if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
-  "$SGLANG_VENV/bin/python" -m pytest -p no:cacheprovider -m sglang tests/sglang tests/test_benchmarks_smoke.py "$@"
+  "$sglang_venv/bin/python" -m pytest -p no:cacheprovider -m sglang tests/sglang tests/test_benchmarks_smoke.py "$@"
   rc=$?; [[ $rc -eq 0 || $rc -eq 5 ]] || status=$rc
 fi
 if [[ "${SKIP_VLLM:-0}" != 1 ]]; then

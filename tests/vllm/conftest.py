@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,21 @@ for _name, _value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("LMC
 
 if importlib.util.find_spec("vllm") is None:  # the project's .venv: these modules import vLLM at the top
     collect_ignore_glob = ["*.py"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """vLLM leaves files in the system's temporary directory for every engine the tests start (its ZMQ sockets, the
+    file stores of torch.distributed): point it, here and in the engine processes, at the session's temporary tree,
+    which pytest prunes. torch's compile cache stays where it was, one for all runs."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    directory = str(tmp_path_factory.mktemp("tmp"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", cache_dir())
+        patch.setenv("TMPDIR", directory)
+        patch.setattr(tempfile, "tempdir", directory)
+        yield
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ it the way it loads any out-of-tree spec (``spec_name`` / ``spec_module_path`` i
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 import time
@@ -139,12 +140,19 @@ class HostCopySpec(CPUOffloadingSpec):
         return self._host_worker
 
 
+@functools.cache
+def _tiny_model_directory() -> tempfile.TemporaryDirectory[str]:
+    """The tiny Llama's ``config.json`` in a directory of its own, one per test process: the cache holds it until
+    the process exits, when its finalizer removes it."""
+    directory = tempfile.TemporaryDirectory(prefix="otel-hicache-vllm-model-")
+    with open(f"{directory.name}/config.json", "w") as f:
+        json.dump(TINY_LLAMA, f)
+    return directory
+
+
 def tiny_model() -> ModelConfig:
     """vLLM's model config of a two-layer Llama described by a local ``config.json`` (no weights, no tokenizer)."""
-    directory = tempfile.mkdtemp(prefix="otel-hicache-vllm-model-")
-    with open(f"{directory}/config.json", "w") as f:
-        json.dump(TINY_LLAMA, f)
-    return ModelConfig(model=directory, skip_tokenizer_init=True, dtype="float16")
+    return ModelConfig(model=_tiny_model_directory().name, skip_tokenizer_init=True, dtype="float16")
 
 
 def vllm_config(
