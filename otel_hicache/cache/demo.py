@@ -7,8 +7,8 @@ tiers, drops under ``write_back`` and hits on all three tiers, with real (small)
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -97,13 +97,17 @@ def run_demo(
     device = device or default_device()
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
-    tmp = tempfile.mkdtemp(prefix="otel-hicache-l3-") if storage_dir is None else None
-    cache = HiCache(demo_config(device, write_policy, storage_dir or tmp or "", seed), telemetry)
-    start = time.perf_counter()
-    deadline = start + seconds if seconds is not None else None
-    served = 0
-    in_flight: collections.deque[Admission] = collections.deque()
-    try:
+    with contextlib.ExitStack() as cleanup:  # unwinds in reverse: the cache closes before its L3 store goes
+        if storage_dir is None:
+            storage_dir = cleanup.enter_context(
+                tempfile.TemporaryDirectory(prefix="otel-hicache-l3-", ignore_cleanup_errors=True)
+            )
+        cache = HiCache(demo_config(device, write_policy, storage_dir, seed), telemetry)
+        cleanup.callback(cache.close)
+        start = time.perf_counter()
+        deadline = start + seconds if seconds is not None else None
+        served = 0
+        in_flight: collections.deque[Admission] = collections.deque()
         for prompt in workload_requests(WorkloadConfig(seed=seed)):
             if (requests is not None and served >= requests) or (
                 deadline is not None and time.perf_counter() >= deadline
@@ -120,10 +124,6 @@ def run_demo(
                 progress(served)
         while in_flight:
             cache.release(in_flight.popleft())
-    finally:
-        cache.close()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return _result(cache, served, time.perf_counter() - start, device, write_policy)
 
 

@@ -63,6 +63,8 @@ def test_seconds_bounds_the_run(demo_sdk) -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"requests": -1}, {"seconds": 0.0}, {"write_policy": "sometimes"}])
-def test_bad_arguments_are_clear_errors(demo_sdk, kwargs: dict) -> None:
+def test_bad_arguments_are_clear_errors_that_leave_no_l3_store(demo_sdk, kwargs: dict) -> None:
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "otel-hicache-l3-*")))
     with pytest.raises(ValueError):
         run_demo(demo_sdk.telemetry, device="cpu", **kwargs)
+    assert not set(glob.glob(os.path.join(tempfile.gettempdir(), "otel-hicache-l3-*"))) - before
