@@ -5,13 +5,20 @@ Docstring examples run as doctests of every module (``--doctest-modules`` in pyp
 
 from __future__ import annotations
 
+import enum
+import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
+import otel_hicache
 from otel_hicache import semconv as sc
 from otel_hicache.integrations.sglang.semconv import SGLANG_SERIES
 from otel_hicache.integrations.vllm.semconv import VLLM_SERIES
 from otel_hicache.sdk import TelemetrySetup
+from otel_hicache.telemetry import HiCacheTelemetry
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
@@ -83,3 +90,33 @@ def test_every_link_between_the_readme_and_docs_resolves() -> None:
 def test_every_page_of_docs_is_linked_from_the_readme() -> None:
     linked = set(re.findall(r"\]\(docs/([a-z-]+\.md)\)", README.read_text()))
     assert linked == {page.name for page in DOCS.glob("*.md")}
+
+
+def test_help_of_the_package_is_a_short_manual_of_the_api() -> None:
+    """``help(otel_hicache)``: under 200 lines, naming every public name, no class printed in full."""
+    command = [sys.executable, "-c", "import otel_hicache; help(otel_hicache)"]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert 20 < len(shown.splitlines()) < 200
+    assert "inherited from builtins.str" not in shown
+    words = set(re.findall(r"[A-Za-z_]+", shown))
+    assert set(otel_hicache.__all__) - {"__version__"} <= words
+    assert {name for name in vars(HiCacheTelemetry) if name.startswith("record_")} <= words
+
+    def spelled(name: str, call: Any) -> str:  # how the API list writes a call: its parameters and defaults
+        parts: list[str] = []
+        for p in inspect.signature(call).parameters.values():
+            if p.kind is p.KEYWORD_ONLY and "*" not in parts:
+                parts.append("*")
+            if p.default is p.empty:
+                parts.append(p.name)
+            elif isinstance(p.default, enum.Enum):
+                parts.append(f"{p.name}={type(p.default).__name__}.{p.default.name}")
+            else:
+                parts.append(f"{p.name}={p.default!r}")
+        return f"{name}({', '.join(parts)})"
+
+    text = " ".join(str(otel_hicache.__doc__).split())
+    for name in ("configure", *otel_hicache._RECORDS):
+        assert spelled(name, getattr(otel_hicache, name)) in text, name
+    for cls in (sc.TransferOperation, sc.Tier, sc.DropReason, sc.PrefillMode, sc.TimingSource):
+        assert f"{cls.__name__}: {', '.join(m.value for m in cls)} " in text, cls
