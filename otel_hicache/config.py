@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -275,21 +275,34 @@ def check_sdk_import(env: Mapping[str, str] | None = None) -> None:
 
 def check_url(value: str, name: str) -> str:
     """``value`` as an OTLP endpoint URL (``http(s)://host[:port][/path]``, no blanks anywhere: the exporters take
-    the value as it is), or ConfigError naming ``name``."""
+    the value as it is), or ConfigError naming ``name``. The message shows the URL without its userinfo."""
     accepted = "an http:// or https:// URL such as http://localhost:4317"
     if any(c.isspace() for c in value):
-        raise ConfigError(_bad(name, value, f"{accepted} (no spaces, also none around it)"))
+        raise ConfigError(_bad(name, without_userinfo(value), f"{accepted} (no spaces, also none around it)"))
     try:
         parts = urlsplit(value)
         port = parts.port  # raises on a port that is not a number or is out of range
         host = parts.hostname
-    except ValueError as exc:
-        raise ConfigError(_bad(name, value, f"{accepted} ({exc})")) from None
+    except ValueError:  # not its text: urlsplit quotes the part it could not read, which may be a password
+        raise ConfigError(
+            _bad(name, without_userinfo(value), f"{accepted} (its host or port cannot be read: a port is 1-65535)")
+        ) from None
     if parts.scheme not in ("http", "https") or not host or not _valid_host(host):
-        raise ConfigError(_bad(name, value, accepted))
+        raise ConfigError(_bad(name, without_userinfo(value), accepted))
     if port == 0:
-        raise ConfigError(_bad(name, value, f"{accepted} (port 1-65535)"))
+        raise ConfigError(_bad(name, without_userinfo(value), f"{accepted} (port 1-65535)"))
     return value
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` as messages may show it: whatever stands before the last ``@`` of what follows the scheme (the
+    userinfo, in a URL however malformed) replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
 
 
 def _valid_host(host: str) -> bool:
@@ -321,8 +334,8 @@ def _check_arguments(
     if service_name is not None and (not isinstance(service_name, str) or not service_name.strip()):
         raise ConfigError(f"service_name={service_name!r}: use a non-empty string")
     if endpoint is not None:
-        if not isinstance(endpoint, str):
-            raise ConfigError(f"endpoint={endpoint!r}: use a URL string such as http://localhost:4317")
+        if not isinstance(endpoint, str):  # its repr is not shown: it may hold a password
+            raise ConfigError(f"endpoint: {type(endpoint).__name__} is not a URL string; use one such as http://localhost:4317")
         check_url(endpoint, "endpoint")
     if protocol is not None and protocol not in PROTOCOLS:
         raise ConfigError(f"protocol {protocol!r} is not supported; use one of: {', '.join(PROTOCOLS)}")
@@ -495,38 +508,47 @@ def _boolean(env: Mapping[str, str], name: str) -> bool | None:
 
 def key_values(env: Mapping[str, str], name: str) -> dict[str, str]:
     """``key=value,key2=value2`` (values percent-encoded), as OTEL_RESOURCE_ATTRIBUTES and the headers use."""
-    raw = env.get(name, "")
-    out: dict[str, str] = {}
-    for member in raw.split(","):
+    accepted = "comma-separated key=value pairs, values percent-encoded"
+    return {key: unquote(value).strip() for _, key, value in _members(env, name, accepted)}
+
+
+def _members(env: Mapping[str, str], name: str, accepted: str) -> Iterator[tuple[int, str, str]]:
+    """``(position, key, raw value)`` of each member of a comma-separated ``key=value`` list (positions from 1, blank
+    members counted). A bad member is named by its position only: without ``=`` it may be the secret itself."""
+    for position, member in enumerate(env.get(name, "").split(","), 1):
         if not member.strip():
             continue
         key, sep, value = member.partition("=")
         key = unquote(key).strip()
-        if not sep or not key:
-            raise ConfigError(_bad(name, raw, "comma-separated key=value pairs, values percent-encoded"))
-        out[key] = unquote(value).strip()
-    return out
+        if not sep:
+            raise ConfigError(f"{name}: member {position} has no '=' (its text is not shown); use {accepted}")
+        if not key:
+            raise ConfigError(f"{name}: member {position} has an empty key; use {accepted}")
+        yield position, key, value
 
 
 def _headers(env: Mapping[str, str], name: str) -> dict[str, str]:
     """The headers, percent-decoded, names in lower case; a header the OTLP exporters would drop (or could not send)
-    is refused, so that an auth header never silently disappears."""
+    is refused, so that an auth header never silently disappears. Messages name a header by its position, and by
+    its name once that is a valid header name; never by its value."""
     accepted = "comma-separated name=value pairs such as api-key=secret,x-tenant=a (values percent-encoded)"
-    for member in env.get(name, "").split(","):
-        key, sep, raw_value = member.partition("=")
-        if sep and not _HEADER_VALUE.fullmatch(raw_value.strip()):
+    headers = {}
+    for position, key, raw_value in _members(env, name, accepted):
+        if not _TOKEN.fullmatch(key):
             raise ConfigError(
-                f"{name}: the value of header {unquote(key).strip()!r} holds characters the OTLP exporters drop "
+                f"{name}: the name of member {position} is not a header name (letters, digits and "
+                f"!#$%&'*+-.^_`|~ only; its text is not shown); use {accepted}"
+            )
+        if not _HEADER_VALUE.fullmatch(raw_value.strip()):
+            raise ConfigError(
+                f"{name}: the value of header {key!r} (member {position}) holds characters the OTLP exporters drop "
                 f"(non-ASCII, '\"', ';', '\\'); percent-encode them ({accepted})"
             )
-    headers = {}
-    for key, value in key_values(env, name).items():
-        if not _TOKEN.fullmatch(key):
-            raise ConfigError(f"{name}: header name {key!r} is not valid; use {accepted}")
+        value = unquote(raw_value).strip()
         if not _PRINTABLE_ASCII.fullmatch(value):
             raise ConfigError(
-                f"{name}: the value of header {key!r} is not printable ASCII once percent-decoded (gRPC and HTTP "
-                "cannot send it); use printable ASCII characters"
+                f"{name}: the value of header {key!r} (member {position}) is not printable ASCII once percent-decoded "
+                "(gRPC and HTTP cannot send it); use printable ASCII characters"
             )
         headers[key.lower()] = value
     return headers
@@ -538,6 +560,8 @@ def _file(env: Mapping[str, str], name: str) -> str | None:
     if path is None:
         return None
     accepted = "use the path of a PEM file"
+    if "-----BEGIN" in path or "\n" in path:  # a key pasted in place of its path: not shown, it may be a secret
+        raise ConfigError(f"{name}: holds PEM content (not shown), not a path; {accepted}")
     if not os.path.isfile(path):  # a directory passes os.access, and the exporter then raises
         raise ConfigError(f"{name}={path!r}: no readable file there; {accepted}")
     try:
@@ -596,6 +620,14 @@ def _signal(env: Mapping[str, str], signal: str, endpoint: str | None, protocol:
             resolved = f"{base.rstrip('/')}/v1/{signal.lower()}"
     else:
         resolved = specific_endpoint
+    if resolved is not None and chosen_protocol == "grpc" and "@" in urlsplit(resolved).netloc:
+        # the gRPC exporter takes the whole netloc for its target (so it can never connect) and logs it
+        source = "endpoint" if endpoint is not None else (specific if specific_endpoint else general) + "ENDPOINT"
+        raise ConfigError(
+            f"{source}={without_userinfo(resolved)!r} holds userinfo (user:password@), which the grpc exporter cannot "
+            "send; send credentials as a header (OTEL_EXPORTER_OTLP_HEADERS=authorization=Basic%20...) or use "
+            "http/protobuf"
+        )
     headers_name = first("HEADERS")[0]
 
     def path(suffix: str) -> str | None:
