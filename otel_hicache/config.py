@@ -335,7 +335,9 @@ def _check_arguments(
         raise ConfigError(f"service_name={service_name!r}: use a non-empty string")
     if endpoint is not None:
         if not isinstance(endpoint, str):  # its repr is not shown: it may hold a password
-            raise ConfigError(f"endpoint: {type(endpoint).__name__} is not a URL string; use one such as http://localhost:4317")
+            raise ConfigError(
+                f"endpoint: {type(endpoint).__name__} is not a URL string; use one such as http://localhost:4317"
+            )
         check_url(endpoint, "endpoint")
     if protocol is not None and protocol not in PROTOCOLS:
         raise ConfigError(f"protocol {protocol!r} is not supported; use one of: {', '.join(PROTOCOLS)}")

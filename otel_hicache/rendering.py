@@ -15,7 +15,7 @@ from otel_hicache import semconv as sc
 if TYPE_CHECKING:
     from otel_hicache.cache.demo import DemoResult
     from otel_hicache.sdk import TelemetrySetup
-    from otel_hicache.summary import Summary
+    from otel_hicache.summary import Delivery, Summary
 
 
 def render(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> str:
@@ -24,8 +24,13 @@ def render(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> str:
         f"otel-hicache demo: {_n(result.requests)} requests in {result.wall_time_s:.1f} s on {result.device}, "
         f"{result.write_policy}"
     ]
-    if setup.mode == "otlp":
-        out.append("Exported over OTLP; counters below are this process's exact totals.")
+    if summary.delivery is not None:
+        out.append(_delivery(summary.delivery))
+    elif setup.mode == "otlp":  # exporters in this process (beside a scrape endpoint): their log says what failed
+        out.append(
+            f"Sent over OTLP to {setup.endpoint or 'the default endpoint'} by this process's exporters (delivery is "
+            "not counted here: their log lines say what failed); counters below are this process's exact totals."
+        )
 
     total = summary.prefill_total
     out += ["", f"Prefix hits (share of {_n(total)} prefill tokens)"]
@@ -94,16 +99,39 @@ def render(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> str:
         out += _table(rows)
 
     pipe = summary.pipeline
+    spans = "" if summary.delivery is not None else f"{_n(summary.spans_recorded)} spans recorded, "  # or on top
     out += [
         "",
-        f"Telemetry: {_n(summary.spans_recorded)} spans recorded, {_n(pipe['rejected'])} records rejected, "
-        f"{_n(pipe['normalized'])} normalized, {_n(pipe['dropped_spans'])} spans dropped (queue full)",
+        f"Telemetry: {spans}{_n(pipe['rejected'])} records rejected, {_n(pipe['normalized'])} normalized, "
+        f"{_n(pipe['dropped_spans'])} records dropped (queue full or not exported)",
     ]
     if setup.prometheus_address is not None:
         host, port = setup.prometheus_address
         out.append(f"Prometheus scrape endpoint: http://{host}:{port}/metrics")
     out += [f"Note: {note}" for note in summary.notes]
     return "\n".join(out)
+
+
+def _delivery(sent: Delivery) -> str:
+    """The first thing a reader of an OTLP run needs: did the collector get the data. Never "exported" for what was
+    not: delivered is what the collector took."""
+    where = f"the collector at {sent.endpoint}" if sent.endpoint else "the collector (the default OTLP endpoint)"
+    own = "Counters below are this process's own totals, not what the collector has."
+    if not sent.exported and not sent.complete:
+        return (
+            f"OTLP: nothing delivered yet: {where} took no span in the {sent.waited_s:g} s this summary waited "
+            f"({_n(sent.dropped)} dropped so far): is it running and reachable? {own}"
+        )
+    if not sent.exported and sent.dropped:
+        return (
+            f"OTLP: nothing delivered: {where} took none of {_n(sent.dropped)} spans, all dropped: is it running and "
+            f"reachable? {own}"
+        )
+    pending = "" if sent.complete else f" More were still in flight after the {sent.waited_s:g} s this summary waited."
+    return (
+        f"OTLP to {where}: {_n(sent.exported)} spans delivered, {_n(sent.dropped)} dropped ({_n(sent.failed)} not "
+        f"taken, {_n(sent.shed)} shed with the queue full); counters below are this process's exact totals.{pending}"
+    )
 
 
 def _answers(summary: Summary) -> list[str]:
@@ -171,7 +199,7 @@ def jsonable(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> dic
             value = keyed({k: plain(v) for k, v in value.items()})
         elif isinstance(value, list):
             value = [plain(v) for v in value]
-        body[f.name] = value
+        body[f.name] = plain(value)
     body["hit_rates"] = summary.hit_rates
     body["elapsed_s"] = result.wall_time_s
     body["mode"] = setup.mode

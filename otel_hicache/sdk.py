@@ -67,7 +67,15 @@ from otel_hicache._internal.providers import (
     traces_side,
     views,
 )
-from otel_hicache.config import DEFAULT_CARDINALITY_LIMIT, NONE, ConfigError, Settings, key_values, validate
+from otel_hicache.config import (
+    DEFAULT_CARDINALITY_LIMIT,
+    NONE,
+    ConfigError,
+    Settings,
+    key_values,
+    validate,
+    without_userinfo,
+)
 from otel_hicache.telemetry import HiCacheTelemetry
 
 __all__ = [
@@ -95,7 +103,8 @@ class TelemetrySetup:
     same way, for your own spans and metrics (and SGLang's request spans and stat-logger series); in ``otlp`` and
     ``none`` modes each is built when first asked for (or by ``configure(set_global=True)``), from the same ``env``,
     so a process that never asks runs no exporter, processor or reader of ours; the telemetry's own spans never go
-    through them there.
+    through them there. ``endpoint`` is where the telemetry's spans go over OTLP, as messages may show it (without
+    userinfo; None when not exporting over OTLP or the exporter's default endpoint is used).
     """
 
     def __init__(
@@ -113,6 +122,7 @@ class TelemetrySetup:
         self._app_lock = threading.RLock()
         self._closed = False
         self._identity: tuple[Any, ...] | None = None
+        self.endpoint: str | None = None
 
     @property
     def metric_reader(self) -> InMemoryMetricReader | None:
@@ -267,6 +277,8 @@ def configure(
         )
         mode = next((k for k in ("otlp", "embedded", "console") if k in kinds), "prometheus")
         setup = TelemetrySetup(telemetry, mode, sides)
+    if "otlp" in settings.traces_exporters and settings.traces.endpoint is not None:
+        setup.endpoint = without_userinfo(settings.traces.endpoint)
     if identity is not None:
         setup._identity = identity
         _IDENTITIES[identity] = setup
