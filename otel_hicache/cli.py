@@ -27,6 +27,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ import click
 
 from otel_hicache import __version__
 from otel_hicache import semconv as sc
-from otel_hicache.config import PROTOCOLS, ConfigError, check_host, check_url, validate
+from otel_hicache.config import DEFAULTS, PROTOCOLS, Arguments, ConfigError, check_host, check_url, validate
 from otel_hicache.package import DEMO_MODULES, demo_missing
 
 WRITE_POLICIES = [p.value for p in sc.WritePolicy]
@@ -113,7 +114,7 @@ def main() -> None:
 @click.option("--prometheus-port", type=click.IntRange(0, 65535), help="Also serve a Prometheus scrape endpoint.")
 @click.option(
     "--prometheus-host",
-    default="127.0.0.1",
+    default=DEFAULTS.prometheus_host,
     show_default=True,
     callback=_checked(check_host),
     help="Address the scrape endpoint binds.",
@@ -156,7 +157,7 @@ def demo(
         requests = 200
     if linger and prometheus_port is None:
         raise click.UsageError("--linger only applies with --prometheus-port")
-    arguments: dict[str, Any] = dict(
+    arguments = Arguments(
         service_name=service_name,
         endpoint=endpoint,
         protocol=protocol,
@@ -166,7 +167,7 @@ def demo(
     )
     try:
         # before anything imports the OTel API or SDK: they read some variables on import and log tracebacks
-        validate(os.environ, **arguments)
+        validate(os.environ, arguments)
         if storage_dir is not None:
             _check_storage_dir(storage_dir)
     except ConfigError as exc:
@@ -187,7 +188,7 @@ def demo(
         from otel_hicache.summary import summarize
 
         # pools pre-seeded at 0 so every series exists from the first scrape
-        setup = configure(**arguments, pools=tuple(p.name for p in DEMO_POOLS))
+        setup = configure(**replace(arguments, pools=tuple(p.name for p in DEMO_POOLS)).keywords())
     except ConfigError as exc:
         raise ConfigProblem(str(exc)) from None
 

@@ -50,7 +50,6 @@ from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, SERVICE_NAMESPACE, Resource
 
-from otel_hicache import semconv as sc
 from otel_hicache._internal.export_process import ExportProcess
 from otel_hicache._internal.plan import ExportPlan
 from otel_hicache._internal.providers import (
@@ -68,8 +67,9 @@ from otel_hicache._internal.providers import (
     views,
 )
 from otel_hicache.config import (
-    DEFAULT_CARDINALITY_LIMIT,
+    DEFAULTS,
     NONE,
+    Arguments,
     ConfigError,
     Settings,
     key_values,
@@ -200,18 +200,18 @@ class TelemetrySetup:
 # ---------------------------------------------------------------------- configure()
 def configure(
     *,
-    service_name: str | None = None,
-    endpoint: str | None = None,
-    protocol: str | None = None,
-    prometheus_port: int | None = None,
-    prometheus_host: str = "127.0.0.1",
-    ranks: Mapping[str, int] | None = None,
-    resource_attributes: Mapping[str, Any] | None = None,
-    pools: Sequence[str] = (sc.DEFAULT_POOL,),
-    extra_pools: Sequence[str] = (),
-    cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT,
-    token_metrics: bool = True,
-    set_global: bool = False,
+    service_name: str | None = DEFAULTS.service_name,
+    endpoint: str | None = DEFAULTS.endpoint,
+    protocol: str | None = DEFAULTS.protocol,
+    prometheus_port: int | None = DEFAULTS.prometheus_port,
+    prometheus_host: str = DEFAULTS.prometheus_host,
+    ranks: Mapping[str, int] | None = DEFAULTS.ranks,
+    resource_attributes: Mapping[str, Any] | None = DEFAULTS.resource_attributes,
+    pools: Sequence[str] = DEFAULTS.pools,
+    extra_pools: Sequence[str] = DEFAULTS.extra_pools,
+    cardinality_limit: int = DEFAULTS.cardinality_limit,
+    token_metrics: bool = DEFAULTS.token_metrics,
+    set_global: bool = DEFAULTS.set_global,
     env: Mapping[str, str] | None = None,
 ) -> TelemetrySetup:
     """Build a :class:`HiCacheTelemetry` and its providers from arguments, then the ``OTEL_*`` variables of ``env``
@@ -225,9 +225,7 @@ def configure(
     globals. ``token_metrics=False`` leaves out the instruments counted in tokens (on all but one rank of a
     tensor-parallel group: see :class:`HiCacheTelemetry`).
     """
-    env = os.environ if env is None else env
-    settings = validate(
-        env,
+    arguments = Arguments(
         service_name=service_name,
         endpoint=endpoint,
         protocol=protocol,
@@ -238,15 +236,21 @@ def configure(
         pools=pools,
         extra_pools=extra_pools,
         cardinality_limit=cardinality_limit,
+        token_metrics=token_metrics,
         set_global=set_global,
     )
+    env = os.environ if env is None else env
+    settings = validate(env, arguments)
     if settings.disabled:
         noop: Any = (metrics.NoOpMeterProvider(), trace.NoOpTracerProvider())
         sides = (MetricsSide(noop[0], None, None, [], []), TracesSide(noop[1], None, []))
         return _without_export(pools, extra_pools, token_metrics, "disabled", sides=sides)
 
-    resource = build_resource(service_name, ranks, resource_attributes, env)
-    pinned = SERVICE_INSTANCE_ID in {**key_values(env, "OTEL_RESOURCE_ATTRIBUTES"), **(resource_attributes or {})}
+    resource = build_resource(arguments.service_name, arguments.ranks, arguments.resource_attributes, env)
+    pinned = SERVICE_INSTANCE_ID in {
+        **key_values(env, "OTEL_RESOURCE_ATTRIBUTES"),
+        **(arguments.resource_attributes or {}),
+    }
     identity = _claim_identity(resource, pinned)
     kinds = {*settings.traces_exporters, *settings.metrics_exporters}
     here = in_process(settings)
@@ -257,9 +261,9 @@ def configure(
         plan = ExportPlan(
             environment=_exporter_environment(env),
             resource=dict(resource.attributes),
-            endpoint=endpoint,
-            protocol=protocol,
-            cardinality_limit=cardinality_limit,
+            endpoint=arguments.endpoint,
+            protocol=arguments.protocol,
+            cardinality_limit=arguments.cardinality_limit,
             spans=settings.traces_exporters != (NONE,),
             token_metrics=token_metrics,
         )
@@ -282,7 +286,7 @@ def configure(
     if identity is not None:
         setup._identity = identity
         _IDENTITIES[identity] = setup
-    if set_global:
+    if arguments.set_global:
         trace.set_tracer_provider(setup.tracer_provider)
         metrics.set_meter_provider(setup.meter_provider)
     _AT_EXIT.add(setup)

@@ -273,3 +273,22 @@ def test_importing_the_package_never_fails_on_the_environment() -> None:
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout.strip() == "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT='many' is not valid; use an integer >= 0, or unset"
+
+
+def test_configure_validate_and_the_command_share_one_arguments_object_and_its_defaults() -> None:
+    """configure()'s keyword arguments are the fields of config.Arguments, with its defaults (read from it, so they
+    cannot drift); validate() takes the same object; the command's --prometheus-host default is the same value."""
+    import dataclasses
+    import inspect
+
+    from otel_hicache import configure
+    from otel_hicache.cli import demo
+    from otel_hicache.config import DEFAULTS, Arguments
+
+    parameters = {n: p.default for n, p in inspect.signature(configure).parameters.items() if n != "env"}
+    assert parameters == {f.name: getattr(DEFAULTS, f.name) for f in dataclasses.fields(Arguments)}
+    assert validate({}, Arguments(prometheus_host="::1", cardinality_limit=7)) == validate(
+        {}, prometheus_host="::1", cardinality_limit=7
+    )
+    (host,) = [p for p in demo.params if p.name == "prometheus_host"]
+    assert host.default == DEFAULTS.prometheus_host
