@@ -10,8 +10,12 @@ import inspect
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
+import yaml
 
 import otel_hicache
 from otel_hicache import semconv as sc
@@ -120,3 +124,70 @@ def test_help_of_the_package_is_a_short_manual_of_the_api() -> None:
         assert spelled(name, getattr(otel_hicache, name)) in text, name
     for cls in (sc.TransferOperation, sc.Tier, sc.DropReason, sc.PrefillMode, sc.TimingSource):
         assert f"{cls.__name__}: {', '.join(m.value for m in cls)} " in text, cls
+
+
+def _engine_places() -> list[str]:
+    """The places docs/adding-an-engine.md lists for a new engine, in order."""
+    text = section(DOCS / "adding-an-engine.md", "Every place an engine touches")
+    return re.findall(r"^- `([^`]+)`:", text, flags=re.MULTILINE)
+
+
+def _checks(engine: str, markers: list[str]) -> dict[str, Callable[[], bool]]:
+    """For each place of the list, whether ``engine`` is there (``markers``: pytest's registered markers)."""
+    from importlib.metadata import distribution
+
+    from otel_hicache import integrations
+    from otel_hicache import package as package_module
+
+    registry = yaml.safe_load((ROOT / "registry" / "hicache" / "registry.yaml").read_text())
+    (engines,) = [a for g in registry["groups"] for a in g.get("attributes", []) if a.get("id") == sc.RESOURCE_ENGINE]
+    dist = distribution("otel-hicache")  # pyproject.toml as installed
+    package = f"otel_hicache.integrations.{engine}"
+    instrumentors = [ep.value for ep in dist.entry_points if ep.group == "opentelemetry_instrumentor"]
+    plugins = [ep.value for ep in dist.entry_points if ep.group != "opentelemetry_instrumentor"]
+    instrument = next((t for t in _titles() if t.lower() == f"instrument {engine}"), None)
+    return {
+        "otel_hicache/integrations/<engine>/": lambda: (ROOT / "otel_hicache" / "integrations" / engine).is_dir(),
+        "otel_hicache/semconv.py": lambda: engine in {e.value for e in sc.Engine},
+        "registry/hicache/registry.yaml": lambda: engine in {m["value"] for m in engines["type"]["members"]},
+        "otel_hicache/package.py": lambda: (
+            hasattr(package_module, f"_instruments_{engine}") and f"instruments-{engine}" in package_module.EXTRAS
+        ),
+        "pyproject.toml": lambda: (
+            f"instruments-{engine}" in (dist.metadata.get_all("Provides-Extra") or [])
+            and any(v.startswith(f"{package}:") for v in instrumentors)
+            and any(v.startswith(f"{package}.plugin:") for v in plugins)
+            and any(m.startswith(f"{engine}:") for m in markers)
+        ),
+        "otel_hicache/integrations/__init__.py": lambda: f":mod:`{package}`" in str(integrations.__doc__),
+        "docs/<engine>.md": lambda: (
+            (DOCS / f"{engine}.md").is_file()
+            and instrument is not None
+            and f"](docs/{engine}.md)" in section(README, instrument)
+        ),
+        "tests/<engine>/": lambda: (
+            (ROOT / "tests" / engine).is_dir()
+            and (ROOT / "scripts" / f"setup-{engine}-venv.sh").is_file()
+            and f"tests/{engine}" in (ROOT / "scripts" / "test.sh").read_text()
+        ),
+        "tests/integrations/test_<engine>_names.py": lambda: (
+            ROOT / "tests" / "integrations" / f"test_{engine}_names.py"
+        ).is_file(),
+    }
+
+
+def _titles() -> list[str]:
+    return re.findall(r"^## (.+)$", README.read_text(), flags=re.MULTILINE)
+
+
+def test_every_engine_is_in_every_place_adding_an_engine_lists(pytestconfig: pytest.Config) -> None:
+    """The list and the checks are one-to-one, and every engine adapter of the package passes every check."""
+    engines = sorted(
+        p.name for p in (ROOT / "otel_hicache" / "integrations").iterdir() if (p / "__init__.py").is_file()
+    )
+    assert engines == ["sglang", "vllm"]
+    for engine in engines:
+        checks = _checks(engine, pytestconfig.getini("markers"))
+        assert _engine_places() == list(checks)
+        for place, check in checks.items():
+            assert check(), f"{engine} is missing from {place}"
