@@ -135,7 +135,8 @@ def test_a_torch_that_cannot_time_says_so_in_one_line(tmp_path: Path) -> None:
     """A torch that is installed but broken (its CUDA library missing, which no CPU machine can cause otherwise): one
     warning, however many pairs are made, and host-clock timing."""
     (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("raise OSError('libcudart.so.12: cannot open shared object file')\n")
+    broken = "raise OSError('libcudart.so.12: cannot open shared object file')\n"
+    (tmp_path / "torch" / "__init__.py").write_text(broken)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     script = "from otel_hicache import make_timing_event_pair as m; print(m()[2].value, m()[2].value)"
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
