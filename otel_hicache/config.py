@@ -97,7 +97,7 @@ class SignalSettings:
     compression: str | None
     timeout_s: float | None
     insecure: bool | None
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)  # their values are secrets
     certificate: str | None = None
     client_key: str | None = None
     client_certificate: str | None = None

@@ -119,6 +119,13 @@ def test_a_malformed_endpoint_argument_is_refused_without_its_userinfo(value: st
     assert_secret_free(str(raised.value))
 
 
+def test_valid_headers_are_kept_out_of_the_settings_repr() -> None:
+    """What a debug log of the checked settings would print holds no header value."""
+    settings = validate({"OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer%20{TOKEN}"})
+    assert settings.traces.headers == {"authorization": f"Bearer {TOKEN}"}
+    assert_secret_free(repr(settings), str(settings))
+
+
 def test_the_message_shows_the_url_without_its_userinfo() -> None:
     with pytest.raises(ConfigError) as raised:
         validate({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://user:{TOKEN}@127.0.0.1:99999"})
