@@ -3,7 +3,8 @@
 :func:`summarize` reads the embedded set-up (:attr:`TelemetrySetup.metric_reader` and
 :attr:`TelemetrySetup.recent_spans`), so the summary shows exactly what an exporter would have sent. Where a run
 exported over OTLP instead (no in-process reader), the exact counters come from
-:meth:`HiCacheTelemetry.snapshot` and the duration figures are left out.
+:meth:`HiCacheTelemetry.snapshot` and the duration figures are left out; :class:`Delivery` then says what the
+collector took (:meth:`HiCacheTelemetry.span_delivery`: spans delivered and dropped, and where they went).
 
     >>> from otel_hicache import configure, TransferRecord, TransferOperation, now_ns
     >>> from otel_hicache.summary import summarize
