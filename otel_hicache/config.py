@@ -169,63 +169,61 @@ class Arguments:
 
     def check(self) -> None:
         """ConfigError naming the first bad argument (values that may hold a secret are not shown)."""
-        service_name, endpoint, protocol = self.service_name, self.endpoint, self.protocol
-        prometheus_port, prometheus_host, ranks = self.prometheus_port, self.prometheus_host, self.ranks
-        resource_attributes, pools, extra_pools = self.resource_attributes, self.pools, self.extra_pools
-        cardinality_limit, set_global = self.cardinality_limit, self.set_global
-        if service_name is not None and (not isinstance(service_name, str) or not service_name.strip()):
-            raise ConfigError(f"service_name={service_name!r}: use a non-empty string")
-        if endpoint is not None:
-            if not isinstance(endpoint, str):  # its repr is not shown: it may hold a password
+        if self.service_name is not None and (not isinstance(self.service_name, str) or not self.service_name.strip()):
+            raise ConfigError(f"service_name={self.service_name!r}: use a non-empty string")
+        if self.endpoint is not None:
+            if not isinstance(self.endpoint, str):  # its repr is not shown: it may hold a password
                 raise ConfigError(
-                    f"endpoint: {type(endpoint).__name__} is not a URL string; use one such as http://localhost:4317"
+                    f"endpoint: {type(self.endpoint).__name__} is not a URL string; use one such as http://localhost:4317"
                 )
-            check_url(endpoint, "endpoint")
-        if protocol is not None and protocol not in PROTOCOLS:
-            raise ConfigError(f"protocol {protocol!r} is not supported; use one of: {', '.join(PROTOCOLS)}")
-        if prometheus_port is not None and not _is_int(prometheus_port, 0, 65535):
-            raise ConfigError(f"prometheus_port={prometheus_port!r}: use an integer port 0-65535 (0 picks a free one)")
-        if not isinstance(prometheus_host, str):
-            raise ConfigError(f"prometheus_host={prometheus_host!r}: use a host name or IP address")
-        check_host(prometheus_host, "prometheus_host")
-        if ranks is not None:
-            if not isinstance(ranks, Mapping):
-                raise ConfigError(f"ranks={ranks!r}: use a mapping such as {{'tp': 0, 'pp': 0, 'dp': 0}}")
-            for rank, value in ranks.items():
+            check_url(self.endpoint, "endpoint")
+        if self.protocol is not None and self.protocol not in PROTOCOLS:
+            raise ConfigError(f"protocol {self.protocol!r} is not supported; use one of: {', '.join(PROTOCOLS)}")
+        if self.prometheus_port is not None and not _is_int(self.prometheus_port, 0, 65535):
+            raise ConfigError(
+                f"prometheus_port={self.prometheus_port!r}: use an integer port 0-65535 (0 picks a free one)"
+            )
+        if not isinstance(self.prometheus_host, str):
+            raise ConfigError(f"prometheus_host={self.prometheus_host!r}: use a host name or IP address")
+        check_host(self.prometheus_host, "prometheus_host")
+        if self.ranks is not None:
+            if not isinstance(self.ranks, Mapping):
+                raise ConfigError(f"ranks={self.ranks!r}: use a mapping such as {{'tp': 0, 'pp': 0, 'dp': 0}}")
+            for rank, value in self.ranks.items():
                 if rank not in _RANKS:
                     raise ConfigError(f"ranks: unknown rank {rank!r}; use tp, pp or dp")
                 if not _is_int(value, 0, None):
                     raise ConfigError(f"ranks[{rank!r}]={value!r}: use an integer >= 0")
-        if resource_attributes is not None:
-            if not isinstance(resource_attributes, Mapping):
+        if self.resource_attributes is not None:
+            if not isinstance(self.resource_attributes, Mapping):
                 raise ConfigError(
-                    f"resource_attributes={resource_attributes!r}: use a mapping of str to str/bool/int/float"
+                    f"resource_attributes={self.resource_attributes!r}: use a mapping of str to str/bool/int/float"
                 )
-            for key, value in resource_attributes.items():
+            for key, value in self.resource_attributes.items():
                 if not isinstance(key, str) or not key:
                     raise ConfigError(f"resource_attributes: key {key!r} is not a non-empty string")
                 if not isinstance(value, (str, bool, int, float)):
                     raise ConfigError(f"resource_attributes[{key!r}]={value!r}: use a str, bool, int or float")
-        if isinstance(pools, str) or not isinstance(pools, Sequence) or not pools:
-            raise ConfigError(f"pools={pools!r}: use a non-empty sequence of pool names such as ('kv',)")
-        for pool in pools:
+        if isinstance(self.pools, str) or not isinstance(self.pools, Sequence) or not self.pools:
+            raise ConfigError(f"pools={self.pools!r}: use a non-empty sequence of pool names such as ('kv',)")
+        for pool in self.pools:
             if not isinstance(pool, str) or not pool:
                 raise ConfigError(f"pools: {pool!r} is not a non-empty string")
-        if isinstance(extra_pools, str) or not isinstance(extra_pools, Sequence):
-            raise ConfigError(f"extra_pools={extra_pools!r}: use a sequence of pool names such as ('swa_extra',)")
-        for pool in extra_pools:
+        if isinstance(self.extra_pools, str) or not isinstance(self.extra_pools, Sequence):
+            raise ConfigError(f"extra_pools={self.extra_pools!r}: use a sequence of pool names such as ('swa_extra',)")
+        for pool in self.extra_pools:
             if not isinstance(pool, str) or not pool:
                 raise ConfigError(f"extra_pools: {pool!r} is not a non-empty string")
-        extra = {pool for pool in extra_pools if pool not in POOLS and pool != OTHER_POOL}
+        extra = {pool for pool in self.extra_pools if pool not in POOLS and pool != OTHER_POOL}
         if len(extra) > MAX_EXTRA_POOLS:
             raise ConfigError(
                 f"extra_pools: {len(extra)} names beyond the standard pools; use at most {MAX_EXTRA_POOLS} (each is a "
                 "series of every metric)"
             )
-        if not _is_int(cardinality_limit, 1, None):
-            raise ConfigError(f"cardinality_limit={cardinality_limit!r}: use an integer >= 1")
-        if not isinstance(set_global, bool):
-            raise ConfigError(f"set_global={set_global!r}: use True or False")
+        if not _is_int(self.cardinality_limit, 1, None):
+            raise ConfigError(f"cardinality_limit={self.cardinality_limit!r}: use an integer >= 1")
+        if not isinstance(self.set_global, bool):
+            raise ConfigError(f"set_global={self.set_global!r}: use True or False")
 
 
 #: ``configure()``'s defaults.
