@@ -33,7 +33,8 @@ Instrument SGLang with no code change: ``opentelemetry-instrument python -m sgla
 that: vLLM loads this package's ``vllm.general_plugins`` entry point itself (see :mod:`otel_hicache.integrations.vllm`).
 
 Modules: :mod:`~otel_hicache.semconv` (every engine-neutral name), :mod:`~otel_hicache.timing`,
-:mod:`~otel_hicache.records`, :mod:`~otel_hicache.telemetry`, :mod:`~otel_hicache.sdk`;
+:mod:`~otel_hicache.records`, :mod:`~otel_hicache.telemetry`, :mod:`~otel_hicache.sdk`, :mod:`~otel_hicache.capacity`
+(each tier's hit ratio at other sizes);
 :mod:`~otel_hicache.integrations` (engine adapters), :mod:`~otel_hicache.cache` (a reference tiered cache),
 :mod:`~otel_hicache.testing` (helpers of the tests and benchmarks in a clone; not in the wheel). The pipeline's
 mechanism lives in :mod:`otel_hicache._internal`, behind :mod:`~otel_hicache.telemetry` and :mod:`~otel_hicache.sdk`.

@@ -56,6 +56,7 @@ from otel_hicache._internal.deferred import Build, DeferredQueue
 from otel_hicache._internal.validation import Rejected
 from otel_hicache._internal.validation import Site as TransferSite
 from otel_hicache._internal.worker import EngineCheck, HostWorker, PoolSource, weakly
+from otel_hicache.capacity import MAX_SAMPLED_KEYS, CapacityFeed, Keys, TierCapacity
 from otel_hicache.records import (
     DropRecord,
     EvictionRecord,
@@ -69,12 +70,14 @@ from otel_hicache.semconv import Problem, RecordKind, TimingSource, TransferOper
 
 __all__ = [
     "Build",
+    "CapacityFeed",
     "Consumer",
     "DeferredQueue",
     "EngineCheck",
     "HiCacheTelemetry",
     "PoolSource",
     "PoolUsage",
+    "TierCapacity",
     "TransferSite",
 ]
 
@@ -227,6 +230,30 @@ class HiCacheTelemetry:
         ``max_queue`` unbuilt entries; shed ones are counted. ``queue.close()`` when the producer is done. Never
         raises."""
         return self._host.new_queue(build)
+
+    def capacity_feed(
+        self,
+        page_tokens: int,
+        tiers: Iterable[TierCapacity],
+        keys: Keys | None = None,
+        *,
+        max_keys: int = MAX_SAMPLED_KEYS,
+    ) -> CapacityFeed:
+        """The process's capacity estimator (``hicache.capacity.hit_ratio``): per admitted request the producer puts
+        ``(next(feed.seq), payload, prompt_tokens)``; ``keys(payload)`` (default: the payload) gives the page keys on
+        the host thread. The contract is :mod:`otel_hicache.capacity`'s. One per telemetry: ValueError for a second,
+        for ``page_tokens < 1`` or for ``tiers`` that are not fastest first."""
+        if self._host.capacity is not None:
+            raise ValueError("capacity_feed: this telemetry already has one (one per process's cache)")
+        feed = CapacityFeed(
+            page_tokens,
+            tiers,
+            keys,
+            lambda build: self._host.new_queue(build, RecordKind.CAPACITY),
+            max_keys=max_keys,
+        )
+        self._host.capacity = feed
+        return feed
 
     def record_failure(self, failure: TransferFailure) -> None:
         """Count a transfer that could not be issued or completed. Never raises."""
