@@ -2,8 +2,8 @@
 
 The contract, for a producer (an engine adapter, the reference cache):
 
-* **Set up once**: ``feed = telemetry.capacity_feed(page_tokens, tiers, keys=...)`` - one feed per telemetry (a second
-  call raises ValueError: one process, one cache). ``tiers`` are :class:`TierCapacity` rows, fastest first (device,
+* **Set up once**: ``feed = telemetry.capacity_feed(page_tokens, tiers, keys=...)`` - one feed per telemetry (one
+  process, one cache: a new feed replaces the last). ``tiers`` are :class:`TierCapacity` rows, fastest first (device,
   then host, then storage), each with today's capacity in tokens and how it relates to the faster tiers:
   ``inclusive=True`` a tier that holds what the faster ones hold (a write-through host, an L3 store fed from the host),
   ``inclusive=False`` one that holds what they evicted (a write-back host). ``tokens=None`` takes today's capacity
@@ -61,6 +61,7 @@ sampling error against exact LRU is in ``tests/core/test_capacity.py``.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -168,6 +169,7 @@ class CapacityModel:
         self._hist = array("d", bytes(8 * _BINS))  # sample weight by scaled distance (pages)
         self.cold = 0.0  # sample weight of first uses
         self.sampled = 0.0  # sample weight of all sampled uses
+        self._sims: dict[tuple[int, int], _WriteBack] = {}  # exclusive tiers: (faster pages, pages) -> sim
         self.prompt_tokens = 0  # exact: every token of every lookup
         self.paged_tokens = 0  # exact: the tokens of the full pages looked up
 
@@ -182,6 +184,9 @@ class CapacityModel:
         if not sampled:
             return
         self._lookup(sampled)
+        rate = self.threshold / _SPACE
+        for sim in self._sims.values():
+            sim.access(sampled, rate)
         self._touch(sampled)
 
     def _lookup(self, sampled: list[int]) -> None:
@@ -220,6 +225,8 @@ class CapacityModel:
         h = -heapq.heappop(self._by_hash)
         self._add(self._last.pop(h), -1)
         self.threshold = h
+        for sim in self._sims.values():
+            sim.forget(h)
 
     # ------------------------------------------------------------------ the stack (a Fenwick tree over clock values)
     def _add(self, at: int, n: int) -> None:
@@ -248,11 +255,9 @@ class CapacityModel:
     # ------------------------------------------------------------------ the curve
     def hit_ratio(self, pages: float) -> float:
         """Predicted share of prompt tokens an LRU of ``pages`` pages serves (``math.inf``: the ceiling)."""
-        if not self.sampled or not self.prompt_tokens:
+        if not self.sampled:
             return 0.0
-        reused = self.sampled - self.cold
-        hits = reused if math.isinf(pages) else self._below(pages)
-        return hits / self.sampled * (self.paged_tokens / self.prompt_tokens)
+        return self._share(self.sampled - self.cold if math.isinf(pages) else self._below(pages))
 
     def _below(self, pages: float) -> float:
         """Sample weight of distances below ``pages`` (interpolated within the bin that holds it)."""
@@ -265,20 +270,50 @@ class CapacityModel:
         """The predicted ratio of each tier whose capacity is known (``tokens``, else ``limits[(tier, pool)]``) at
         every factor, the faster tiers at their size today."""
         out: dict[str, TierCurve] = {}
-        faster = 0.0  # the faster tiers' effective size today, in pages
-        for row in tiers:
-            tokens = row.tokens if row.tokens is not None else limits.get((Tier(row.tier).value, row.pool))
-            if tokens is None:
-                break  # the slower tiers' sizes depend on it
+        for row, tokens, faster in _sizes(tiers, limits, self.page_tokens):
             pages = tokens / self.page_tokens
             ratios = {}
             for name, factor in sc.CAPACITY_FACTOR_VALUES.items():
-                size = factor * pages
-                effective = (max(size, faster) if row.inclusive else faster + size) if not math.isinf(size) else size
-                ratios[name] = self.hit_ratio(effective if math.isinf(effective) else math.floor(effective))
+                size = math.floor(factor * pages) if not math.isinf(factor) else math.inf
+                sim = None if row.inclusive or math.isinf(size) else self._sims.get((faster, size))
+                if sim is not None:
+                    ratios[name] = self._share(sim.hits)
+                else:  # an exclusive tier not simulated (yet): what it would hold with no copy in both
+                    ratios[name] = self.hit_ratio(max(size, faster) if row.inclusive else faster + size)
             out[Tier(row.tier).value] = TierCurve(tokens, ratios)
-            faster = max(pages, faster) if row.inclusive else faster + pages
         return out
+
+    def simulate(self, tiers: Sequence[TierCapacity], limits: Mapping[tuple[str, str], int] = {}) -> None:
+        """Keep a miniature simulation for every size of every exclusive tier the curve reports (new ones start
+        empty; those no longer needed go)."""
+        wanted = {
+            (faster, math.floor(factor * tokens / self.page_tokens))
+            for row, tokens, faster in _sizes(tiers, limits, self.page_tokens)
+            if not row.inclusive
+            for factor in sc.CAPACITY_FACTOR_VALUES.values()
+            if not math.isinf(factor)
+        }
+        self._sims = {size: self._sims.get(size) or _WriteBack(*size) for size in wanted}
+
+    def _share(self, hits: float) -> float:
+        if not self.sampled or not self.prompt_tokens:
+            return 0.0
+        return hits / self.sampled * (self.paged_tokens / self.prompt_tokens)
+
+
+def _sizes(
+    tiers: Sequence[TierCapacity], limits: Mapping[tuple[str, str], int], page_tokens: int
+) -> Iterator[tuple[TierCapacity, int, int]]:
+    """Each tier whose capacity is known, its tokens, and the faster tiers' effective size today in pages (a tier of
+    unknown size ends the list: the slower ones' sizes depend on it)."""
+    faster = 0
+    for row in tiers:
+        tokens = row.tokens if row.tokens is not None else limits.get((Tier(row.tier).value, row.pool))
+        if tokens is None:
+            return
+        yield row, tokens, faster
+        pages = tokens // page_tokens
+        faster = max(pages, faster) if row.inclusive else faster + pages
 
 
 def _bin(distance: float) -> int:
@@ -292,6 +327,89 @@ def _edges(index: int) -> tuple[float, float]:
         return float(index), float(index + 1)
     octave = (index - _LINEAR) / _PER_OCTAVE
     return _LINEAR * 2.0**octave, _LINEAR * 2.0 ** (octave + 1 / _PER_OCTAVE)
+
+
+class _WriteBack:
+    """A miniature simulation (Waldspurger et al., ATC 2017: the real policy on the sampled pages, sizes scaled by
+    the sampling rate) of a tier that takes what the faster ones evict and keeps its copy of a page they load back
+    until the page leaves them again, SGLang's and the reference cache's ``write_back`` host: its copies of pages the
+    faster tiers hold cannot be evicted and take room, so it holds fewer than ``faster + pages`` distinct pages.
+
+    Like a radix tree it moves whole nodes: the pages one request inserted together, split where a later lookup
+    stops inside them. ``hits``: sample weight of pages served by it or a faster tier (an LRU of ``faster`` pages)."""
+
+    __slots__ = ("_faster", "_nodes", "_pages", "_serial", "hits", "lower", "node", "upper")
+
+    def __init__(self, faster: int, pages: int) -> None:
+        self._faster, self._pages = faster, pages
+        self.upper: collections.OrderedDict[int, None] = collections.OrderedDict()  # the faster tiers, LRU first
+        self.lower: collections.OrderedDict[int, None] = collections.OrderedDict()  # this tier, LRU first
+        self.node: dict[int, int] = {}  # page (in either) -> its node
+        self._nodes: dict[int, set[int]] = {}  # node -> its pages in either
+        self._serial = itertools.count()
+        self.hits = 0.0
+
+    def access(self, sampled: list[int], rate: float) -> None:
+        upper, lower, node = self.upper, self.lower, self.node
+        weight = 1 / rate
+        self.hits += weight * sum(1 for h in sampled if h in node)  # the lookup, before any insert
+        renamed: dict[int | None, int] = {}  # a lookup that ends inside a node splits it: its part gets a new one
+        for h in sampled:
+            old = node.get(h)
+            new = renamed.get(old)
+            if new is None:
+                new = renamed[old] = next(self._serial)
+            if old is not None:
+                self._nodes[old].discard(h)
+            node[h] = new
+            self._nodes.setdefault(new, set()).add(h)
+        for old in renamed:
+            if old is not None and not self._nodes[old]:
+                del self._nodes[old]
+        for h in reversed(sampled):
+            if h in lower:
+                lower.move_to_end(h)  # loaded back: its copy stays
+            upper[h] = None
+            upper.move_to_end(h)
+        upper_size, lower_size = round(self._faster * rate), round(self._pages * rate)
+        while len(upper) > upper_size:
+            self._demote(node[next(iter(upper))], lower_size)
+
+    def _demote(self, evicted: int, lower_size: int) -> None:
+        """The faster tiers evict node ``evicted``: its pages without a copy are written here, room made by evicting
+        whole nodes the faster tiers do not hold; a write that finds no room is dropped."""
+        upper, lower = self.upper, self.lower
+        pages = [h for h in self._nodes[evicted] if h in upper]
+        for h in pages:
+            del upper[h]
+        written = {h for h in pages if h not in lower}
+        for h in written:
+            lower[h] = None
+        while len(lower) > lower_size:
+            victim = next((v for v in lower if v not in upper and v not in written), None)
+            if victim is None:  # every copy is held above too, or was just written: the write-back is dropped
+                for h in written:
+                    del lower[h]
+                    self._leave(h)
+                return
+            for h in [h for h in self._nodes[self.node[victim]] if h in lower and h not in upper and h not in written]:
+                del lower[h]
+                self._leave(h)
+
+    def _leave(self, h: int) -> None:
+        """``h`` is in neither tier any more."""
+        owner = self.node.pop(h)
+        members = self._nodes[owner]
+        members.discard(h)
+        if not members:
+            del self._nodes[owner]
+
+    def forget(self, h: int) -> None:
+        """``h`` left the sample."""
+        self.upper.pop(h, None)
+        self.lower.pop(h, None)
+        if h in self.node:
+            self._leave(h)
 
 
 class CapacityFeed:
@@ -311,6 +429,8 @@ class CapacityFeed:
         self._tiers = check_tiers(tiers)
         self._keys = keys
         self._lock = threading.Lock()  # the host thread feeds the model; curve() reads it from any thread
+        self._limits: Mapping[tuple[str, str], int] = {}
+        self._model.simulate(self._tiers)
         self._queue = queue(self.build)  # the telemetry's bounded queue, built with build() on its host thread
         self.put = self._queue.put
         self.seq = self._queue.seq
@@ -320,12 +440,16 @@ class CapacityFeed:
         checked = check_tiers(tiers)
         with self._lock:
             self._tiers = checked
+            self._model.simulate(checked, self._limits)
 
     def curve(self, limits: Mapping[tuple[str, str], int] = {}) -> dict[str, TierCurve]:
         """Each tier's predicted ratios now (what the gauge reports); ``limits``: the last pool reading, by
         ``(tier, pool)``. Lookups still queued are not in it: read :meth:`~otel_hicache.telemetry.HiCacheTelemetry.
         snapshot` first, which waits for them."""
         with self._lock:
+            if limits != self._limits:  # a capacity from the pool reading: simulate its sizes from now on
+                self._limits = dict(limits)
+                self._model.simulate(self._tiers, limits)
             return self._model.curve(self._tiers, limits)
 
     def close(self) -> None:
@@ -336,6 +460,7 @@ class CapacityFeed:
         """Start from zero (a forked child, which counts as a process of its own)."""
         self._lock = threading.Lock()
         self._model = CapacityModel(self._model.page_tokens, self._model.max_keys)
+        self._model.simulate(self._tiers, self._limits)
 
     def build(self, entry: tuple[Any, ...]) -> None:
         """The host thread's: feed one queued lookup ``(seq, payload, prompt_tokens)`` to the model."""

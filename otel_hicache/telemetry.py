@@ -241,10 +241,8 @@ class HiCacheTelemetry:
     ) -> CapacityFeed:
         """The process's capacity estimator (``hicache.capacity.hit_ratio``): per admitted request the producer puts
         ``(next(feed.seq), payload, prompt_tokens)``; ``keys(payload)`` (default: the payload) gives the page keys on
-        the host thread. The contract is :mod:`otel_hicache.capacity`'s. One per telemetry: ValueError for a second,
-        for ``page_tokens < 1`` or for ``tiers`` that are not fastest first."""
-        if self._host.capacity is not None:
-            raise ValueError("capacity_feed: this telemetry already has one (one per process's cache)")
+        the host thread. The contract is :mod:`otel_hicache.capacity`'s. One per telemetry (a process's cache): a new
+        one replaces the last, which is closed. ValueError for ``page_tokens < 1`` or ``tiers`` not fastest first."""
         feed = CapacityFeed(
             page_tokens,
             tiers,
@@ -252,7 +250,9 @@ class HiCacheTelemetry:
             lambda build: self._host.new_queue(build, RecordKind.CAPACITY),
             max_keys=max_keys,
         )
-        self._host.capacity = feed
+        previous, self._host.capacity = self._host.capacity, feed
+        if previous is not None:
+            previous.close()
         return feed
 
     def record_failure(self, failure: TransferFailure) -> None:

@@ -171,10 +171,16 @@ class TestTheFeed:
         sdk.telemetry.capacity_feed(PAGE, [TierCapacity(Tier.DEVICE, None)])
         assert sdk.points(sc.METRIC_CAPACITY_HIT_RATIO) == {}
 
-    def test_one_feed_per_telemetry(self, sdk: Sdk) -> None:
-        sdk.telemetry.capacity_feed(PAGE, self.TIERS)
-        with pytest.raises(ValueError):
-            sdk.telemetry.capacity_feed(PAGE, self.TIERS)
+    def test_one_feed_per_telemetry_the_last_replaces_the_one_before(self, sdk: Sdk) -> None:
+        first = sdk.telemetry.capacity_feed(PAGE, self.TIERS)
+        for _ in range(2):
+            first.put((next(first.seq), [1], PAGE))
+        second = sdk.telemetry.capacity_feed(PAGE, [TierCapacity(Tier.DEVICE, PAGE)])
+        for _ in range(4):
+            second.put((next(second.seq), [2], PAGE))
+        points = sdk.points(sc.METRIC_CAPACITY_HIT_RATIO)
+        assert {dict(k)[sc.ATTR_TIER] for k in points} == {"device"}
+        assert sdk.value(sc.METRIC_CAPACITY_HIT_RATIO, {sc.ATTR_TIER: "device", sc.ATTR_CAPACITY_FACTOR: "1"}) == 0.75
 
     def test_a_full_queue_sheds_the_oldest_lookups_and_counts_them_never_blocking(self) -> None:
         sdk = make_sdk(max_queue=4)
