@@ -25,11 +25,12 @@ The contract, for a producer (an engine adapter, the reference cache):
 * **What leaves the process**: only ``hicache.capacity.hit_ratio`` per tier and factor (a gauge, unit ``1``) - the
   predicted share of prompt tokens served by that tier or a faster one if it held ``factor`` times its capacity today,
   the other tiers unchanged; factor ``inf`` is the ceiling (``1 - inf``: tokens seen for the first time). No key, token
-  id or prompt text is kept beyond a 56-bit mix of Python's ``hash`` of the key (salted per process for ``str`` and
-  ``bytes``), and none reaches a span or a metric. :meth:`CapacityFeed.curve` reads the same curve in the process.
+  id or prompt text is kept beyond a 64-bit Python hash of the key (salted per process for ``str`` and ``bytes``),
+  and none reaches a span or a metric. :meth:`CapacityFeed.curve` reads the same curve in the process.
 * **Cost**: the host thread pays a ``hash`` and a compare per page, and the model's work per *sampled* page only. The
-  memory is fixed whatever the traffic: :data:`MAX_SAMPLED_KEYS` keys at most, about :data:`FOOTPRINT_BYTES` per feed
-  (one feed serves every tier of the process).
+  memory is fixed whatever the traffic: :data:`MAX_SAMPLED_KEYS` pages at most, at most :data:`FOOTPRINT_BYTES`
+  (2 MiB) per feed - one feed serves every tier of the process - and :data:`SIMULATION_BYTES` (6 MiB) more per
+  exclusive tier. The sampling error stays within :data:`ERROR_BOUND` (2 points) of an exact LRU.
 
 The model. One stream of page accesses, each request's lookup in order, feeds a reuse-distance histogram (Mattson's
 stack algorithm: a page is a hit in an LRU cache of ``C`` pages iff fewer than ``C`` distinct pages were used since
@@ -41,12 +42,19 @@ lookup: every page's distance is read before any page of the request is touched 
 insert), then its pages are touched last page first, so a parent is always more recent than its children and the
 LRU stack evicts leaves first, as the radix tree does; the pages an LRU of any size holds are then always a set of
 whole prefixes (a page is a hit only with all its ancestors). Tokens: ``page_tokens`` per page; tokens past the last
-full page are never cached and count as misses.
+full page are never cached and count as misses. The ratio is SHARDS_adj's: the exact number of pages looked up is the
+denominator, and what the sample over- or under-counts is taken as hits at the shortest distance (a sample that holds
+one very popular page would otherwise overstate every hit ratio).
 
-Each tier is an LRU at its *effective* size over that one curve: the device at ``x * C_device``; an inclusive tier at
-``max(x * C, E)``, an exclusive one at ``E + x * C``, where ``E`` is the faster tiers' effective size today.
-Checked against re-running the reference cache at each size (``tests/cache/test_capacity.py``); the bound on the
-sampling error against exact LRU is in ``tests/core/test_capacity.py``.
+Each tier is modelled by its policy over that one stream, at every factor ``x`` of its capacity ``C`` today, the
+faster tiers' effective size today ``E`` unchanged: the device is an LRU of ``x * C`` (the radix tree evicts its
+least recently used leaves); an inclusive tier an LRU of ``max(x * C, E)`` (it holds what the faster ones hold). An
+exclusive tier - written when the faster ones evict, keeping its copy of a page they load back, as SGLang's and the
+reference cache's ``write_back`` host does - holds less than ``E + x * C`` distinct pages, by an amount the stack
+cannot tell: it is a miniature simulation of that policy (Waldspurger et al., ATC 2017) over the pages of a smaller,
+nested fixed-size sample (:data:`MAX_SIMULATED_KEYS`), whole radix nodes moving together. Checked by re-running the
+reference cache at each size (``tests/cache/test_capacity.py``: every prediction within 3 points, 1x within 2);
+the sampling error against an exact LRU and the memory bound by ``tests/core/test_capacity.py``.
 
     >>> from otel_hicache.capacity import CapacityModel, TierCapacity
     >>> from otel_hicache.semconv import Tier
@@ -76,19 +84,28 @@ from otel_hicache.semconv import Tier
 
 #: Sampled pages the estimator tracks at most (SHARDS' ``s_max``): the bound on its memory and on its work per page.
 MAX_SAMPLED_KEYS = 8192
-#: What a feed holds at most, every structure counted (``tests/core/test_capacity.py`` measures it).
+#: What the estimator holds at most, every structure counted, whatever the traffic (``tests/core/test_capacity.py``
+#: measures it over 10 million unique pages) ...
 FOOTPRINT_BYTES = 2 * 1024 * 1024
+#: ... and what the simulations of one exclusive tier add (six sizes, up to :data:`MAX_SIMULATED_KEYS` pages each in
+#: ordered dicts: about 500 bytes a page).
+SIMULATION_BYTES = 6 * 1024 * 1024
+#: The sampling error against an exact LRU on streams with a known curve (a cyclic scan, a Zipf over pages), in
+#: points of hit ratio (SHARDS reports a mean error under 1 point at this sample size).
+ERROR_BOUND = 0.02
 #: Linear histogram bins (distances below this, in pages, are kept exactly), then this many bins per octave up to
 #: 2**_OCTAVES pages: ~2 % wide, interpolated within.
 _LINEAR = 1024
 _PER_OCTAVE = 32
 _OCTAVES = 40
 _BINS = _LINEAR + _PER_OCTAVE * (_OCTAVES - _LINEAR.bit_length() + 1)
-#: Hashes are mixed to 56 bits (Fibonacci hashing: ints hash to themselves in Python); the sampling space.
-_SPACE_BITS = 56
-_SPACE = 1 << _SPACE_BITS
-_MIX = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
+#: A page's sampling hash is Python's hash of the 1-tuple of its key (one C call; the tuple hash mixes the bits, and an
+#: int key hashes to itself): a signed 64-bit value, sampled while below the threshold.
+_LOWEST = -(1 << 63)
+_SPACE = 1 << 64
+#: Keys the write-back simulations track at most, all of them together (a subset of the sampled pages: those whose
+#: hash is below their own, lower threshold).
+MAX_SIMULATED_KEYS = 2048
 
 Keys = Callable[[Any], Iterable[Hashable]]
 
@@ -160,7 +177,10 @@ class CapacityModel:
             raise ValueError("page_tokens and max_keys must be >= 1")
         self.page_tokens = page_tokens
         self.max_keys = max_keys
-        self.threshold = _SPACE  # a page is sampled iff its mixed hash is below: R = threshold / _SPACE
+        self.threshold = -_LOWEST  # a page is sampled iff its hash is below: R = (threshold - _LOWEST) / _SPACE
+        self.sim_threshold = self.threshold  # ... and simulated iff below this one
+        self._simulated: set[int] = set()
+        self._sim_by_hash: list[int] = []  # -hash of each simulated page
         self._last: dict[int, int] = {}  # sampled page -> the clock of its last use
         self._by_hash: list[int] = []  # -hash of each sampled page: the largest leaves first when the rate drops
         self._size = 4 * max_keys  # clock values before the stack is renumbered
@@ -174,24 +194,53 @@ class CapacityModel:
         self.paged_tokens = 0  # exact: the tokens of the full pages looked up
 
     # ------------------------------------------------------------------ the stream
+    @property
+    def sampled_keys(self) -> int:
+        """Pages the sample tracks now (at most ``max_keys``)."""
+        return len(self._last)
+
     def access(self, keys: Iterable[Hashable], prompt_tokens: int) -> None:
         """One request's prefix lookup: its page keys, first page first, and its prompt's length in tokens."""
         looked = list(itertools.islice(keys, prompt_tokens // self.page_tokens))
-        threshold, shift = self.threshold, 64 - _SPACE_BITS
-        sampled = [h for key in looked if (h := ((hash(key) * _MIX) & _MASK64) >> shift) < threshold]
+        threshold = self.threshold
+        sampled = [h for h in map(hash, zip(looked)) if h < threshold]
         self.prompt_tokens += prompt_tokens
         self.paged_tokens += len(looked) * self.page_tokens
         if not sampled:
             return
         self._lookup(sampled)
-        rate = self.threshold / _SPACE
-        for sim in self._sims.values():
-            sim.access(sampled, rate)
+        if self._sims:
+            self._simulate(sampled)
         self._touch(sampled)
+
+    def _simulate(self, sampled: list[int]) -> None:
+        """Run the write-back simulations on the pages below their threshold (a fixed-size sample of their own)."""
+        simulated, by_hash = self._simulated, self._sim_by_hash
+        pages = [h for h in sampled if h < self.sim_threshold]
+        for h in pages:
+            if h not in simulated:
+                simulated.add(h)
+                heapq.heappush(by_hash, -h)
+        while len(simulated) > MAX_SIMULATED_KEYS:
+            self.sim_threshold = -by_hash[0]
+            self._unsimulate(self.sim_threshold)
+        pages = [h for h in pages if h < self.sim_threshold]
+        if pages:
+            rate = (self.sim_threshold - _LOWEST) / _SPACE
+            for sim in self._sims.values():
+                sim.access(pages, rate)
+
+    def _unsimulate(self, h: int) -> None:
+        """``h``, the simulated page of largest hash, leaves the simulations."""
+        if self._sim_by_hash and self._sim_by_hash[0] == -h:
+            heapq.heappop(self._sim_by_hash)
+        self._simulated.discard(h)
+        for sim in self._sims.values():
+            sim.forget(h)
 
     def _lookup(self, sampled: list[int]) -> None:
         """Each sampled page's distance before the request touches any (the lookup precedes the insert)."""
-        weight = _SPACE / self.threshold
+        weight = _SPACE / (self.threshold - _LOWEST)
         last, hist, live = self._last, self._hist, len(self._last)
         for h in sampled:
             self.sampled += weight
@@ -225,8 +274,9 @@ class CapacityModel:
         h = -heapq.heappop(self._by_hash)
         self._add(self._last.pop(h), -1)
         self.threshold = h
-        for sim in self._sims.values():
-            sim.forget(h)
+        if h < self.sim_threshold:  # the simulations sample a subset of these pages
+            self.sim_threshold = h
+            self._unsimulate(h)
 
     # ------------------------------------------------------------------ the stack (a Fenwick tree over clock values)
     def _add(self, at: int, n: int) -> None:
@@ -255,9 +305,7 @@ class CapacityModel:
     # ------------------------------------------------------------------ the curve
     def hit_ratio(self, pages: float) -> float:
         """Predicted share of prompt tokens an LRU of ``pages`` pages serves (``math.inf``: the ceiling)."""
-        if not self.sampled:
-            return 0.0
-        return self._share(self.sampled - self.cold if math.isinf(pages) else self._below(pages))
+        return self._share(self.sampled - self.cold if math.isinf(pages) else self._below(pages), self.sampled)
 
     def _below(self, pages: float) -> float:
         """Sample weight of distances below ``pages`` (interpolated within the bin that holds it)."""
@@ -270,14 +318,15 @@ class CapacityModel:
         """The predicted ratio of each tier whose capacity is known (``tokens``, else ``limits[(tier, pool)]``) at
         every factor, the faster tiers at their size today."""
         out: dict[str, TierCurve] = {}
+        ceiling = self.hit_ratio(math.inf)
         for row, tokens, faster in _sizes(tiers, limits, self.page_tokens):
             pages = tokens / self.page_tokens
             ratios = {}
             for name, factor in sc.CAPACITY_FACTOR_VALUES.items():
                 size = math.floor(factor * pages) if not math.isinf(factor) else math.inf
                 sim = None if row.inclusive or math.isinf(size) else self._sims.get((faster, size))
-                if sim is not None:
-                    ratios[name] = self._share(sim.hits)
+                if sim is not None:  # its own sample: never above the ceiling of the larger one
+                    ratios[name] = min(self._share(sim.hits, sim.sampled), ceiling)
                 else:  # an exclusive tier not simulated (yet): what it would hold with no copy in both
                     ratios[name] = self.hit_ratio(max(size, faster) if row.inclusive else faster + size)
             out[Tier(row.tier).value] = TierCurve(tokens, ratios)
@@ -294,11 +343,18 @@ class CapacityModel:
             if not math.isinf(factor)
         }
         self._sims = {size: self._sims.get(size) or _WriteBack(*size) for size in wanted}
+        if not self._sims:
+            self._simulated.clear()
+            self._sim_by_hash.clear()
 
-    def _share(self, hits: float) -> float:
-        if not self.sampled or not self.prompt_tokens:
+    def _share(self, hits: float, sampled: float) -> float:
+        """Share of prompt tokens from the sample weight of hits and of all pages looked up, SHARDS_adj: the sample
+        holds more (or fewer) page uses than there were when it happens to hold a page used very often (or seldom),
+        and the difference is counted as (or taken from) hits at the shortest distance."""
+        pages = self.paged_tokens / self.page_tokens  # exact
+        if not sampled or not pages:
             return 0.0
-        return hits / self.sampled * (self.paged_tokens / self.prompt_tokens)
+        return min(max(hits + pages - sampled, 0.0) / pages, 1.0) * self.paged_tokens / self.prompt_tokens
 
 
 def _sizes(
@@ -338,21 +394,23 @@ class _WriteBack:
     Like a radix tree it moves whole nodes: the pages one request inserted together, split where a later lookup
     stops inside them. ``hits``: sample weight of pages served by it or a faster tier (an LRU of ``faster`` pages)."""
 
-    __slots__ = ("_faster", "_nodes", "_pages", "_serial", "hits", "lower", "node", "upper")
+    __slots__ = ("_faster", "_nodes", "_pages", "_serial", "hits", "lower", "node", "sampled", "upper")
 
     def __init__(self, faster: int, pages: int) -> None:
         self._faster, self._pages = faster, pages
         self.upper: collections.OrderedDict[int, None] = collections.OrderedDict()  # the faster tiers, LRU first
         self.lower: collections.OrderedDict[int, None] = collections.OrderedDict()  # this tier, LRU first
         self.node: dict[int, int] = {}  # page (in either) -> its node
-        self._nodes: dict[int, set[int]] = {}  # node -> its pages in either
+        self._nodes: dict[int, list[int]] = {}  # node -> its pages in either (a few: lists are smaller than sets)
         self._serial = itertools.count()
         self.hits = 0.0
+        self.sampled = 0.0  # sample weight of every page looked up
 
     def access(self, sampled: list[int], rate: float) -> None:
         upper, lower, node = self.upper, self.lower, self.node
         weight = 1 / rate
         self.hits += weight * sum(1 for h in sampled if h in node)  # the lookup, before any insert
+        self.sampled += weight * len(sampled)
         renamed: dict[int | None, int] = {}  # a lookup that ends inside a node splits it: its part gets a new one
         for h in sampled:
             old = node.get(h)
@@ -360,9 +418,9 @@ class _WriteBack:
             if new is None:
                 new = renamed[old] = next(self._serial)
             if old is not None:
-                self._nodes[old].discard(h)
+                self._nodes[old].remove(h)
             node[h] = new
-            self._nodes.setdefault(new, set()).add(h)
+            self._nodes.setdefault(new, []).append(h)
         for old in renamed:
             if old is not None and not self._nodes[old]:
                 del self._nodes[old]
@@ -400,7 +458,7 @@ class _WriteBack:
         """``h`` is in neither tier any more."""
         owner = self.node.pop(h)
         members = self._nodes[owner]
-        members.discard(h)
+        members.remove(h)
         if not members:
             del self._nodes[owner]
 

@@ -3,15 +3,29 @@ its effective size, and a producer's feed through the telemetry into ``hicache.c
 
 from __future__ import annotations
 
+import bisect
 import collections
+import gc
+import itertools
+import math
 import random
+import sys
 import threading
+import types
 from collections.abc import Hashable, Sequence
 
 import pytest
 
 from otel_hicache import semconv as sc
-from otel_hicache.capacity import CapacityModel, TierCapacity, page_keys
+from otel_hicache.capacity import (
+    ERROR_BOUND,
+    FOOTPRINT_BYTES,
+    MAX_SAMPLED_KEYS,
+    SIMULATION_BYTES,
+    CapacityModel,
+    TierCapacity,
+    page_keys,
+)
 from otel_hicache.records import PoolUsage
 from otel_hicache.semconv import Problem, RecordKind, Tier
 from otel_hicache.testing.sdk import Sdk, make_sdk
@@ -67,7 +81,7 @@ class TestTheModel:
     def test_while_every_page_is_sampled_the_curve_is_exact_lru_over_prefixes(self) -> None:
         lookups = documents_workload(seed=1, requests=3000, documents=60)
         model = model_of(lookups)
-        assert model.threshold == 1 << 56  # every page sampled
+        assert model.threshold == 1 << 63  # every page sampled
         for pages in (1, 5, 20, 50, 100, 200, 400, 800, 2000):
             assert model.hit_ratio(pages) == pytest.approx(exact_lru(lookups, pages), abs=1e-9), pages
 
@@ -135,7 +149,8 @@ class TestTheFeed:
 
     def test_lookups_put_on_the_queue_become_the_gauge_per_tier_and_factor(self, sdk: Sdk) -> None:
         tokens = [random.Random(3).randrange(1000) for _ in range(8 * PAGE + 5)]  # 8 pages and a partial one
-        feed = sdk.telemetry.capacity_feed(PAGE, self.TIERS, keys=lambda ids: page_keys(ids, PAGE))
+        tiers = [TierCapacity(Tier.DEVICE, 4 * PAGE), TierCapacity(Tier.HOST, 6 * PAGE)]
+        feed = sdk.telemetry.capacity_feed(PAGE, tiers, keys=lambda ids: page_keys(ids, PAGE))
         for _ in range(3):
             feed.put((next(feed.seq), tokens, len(tokens)))
         points = sdk.points(sc.METRIC_CAPACITY_HIT_RATIO)
@@ -145,7 +160,8 @@ class TestTheFeed:
         # the device holds 4 of the 8 pages (and the prefix rule keeps the first 4 at 1x), at 2x all 8
         assert got[("device", "1")] == pytest.approx(reused / 2, abs=1e-9)
         assert got[("device", "2")] == pytest.approx(reused, abs=1e-9)
-        assert got[("host", "0.25")] == pytest.approx(reused * 6 / 8, abs=1e-9)  # 4 + 2 pages
+        assert got[("host", "0.25")] == pytest.approx(reused / 2, abs=1e-9)  # inclusive: what the device holds
+        assert got[("host", "1")] == pytest.approx(reused * 6 / 8, abs=1e-9)
         assert got[("host", "inf")] == pytest.approx(reused, abs=1e-9)
         assert feed.curve()["host"].hit_ratio["0.25"] == pytest.approx(got[("host", "0.25")], abs=1e-9)
         assert sdk.metrics()[sc.METRIC_CAPACITY_HIT_RATIO].unit == "1"
@@ -206,3 +222,53 @@ class TestTheFeed:
         rejected = sdk.telemetry.snapshot()[sc.METRIC_RECORDS_REJECTED]
         assert rejected[(RecordKind.CAPACITY.value, Problem.BUILD_FAILED.value)] == 1
         assert feed.curve()["device"].hit_ratio["1"] == 0.5
+
+
+def footprint(root: object) -> int:
+    """Bytes of every object reachable from ``root`` (classes, modules and functions aside), each counted once."""
+    seen: set[int] = set()
+    stack, total = [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+class TestTheBound:
+    def test_ten_million_unique_pages_keep_the_estimator_within_its_footprint(self) -> None:
+        model = CapacityModel(PAGE)  # with the simulations of an exclusive tier, the larger footprint
+        model.simulate([TierCapacity(Tier.DEVICE, 1 << 24), TierCapacity(Tier.HOST, 1 << 26, inclusive=False)])
+        pages, largest = 256, 0  # 4,096-token prompts, no page ever seen twice
+        for lookup in range(10_000_000 // pages):
+            model.access(range(lookup * pages, (lookup + 1) * pages), pages * PAGE)
+            if lookup % 3000 == 0:
+                largest = max(largest, footprint(model))
+        assert model.sampled_keys == MAX_SAMPLED_KEYS and model.threshold < 0  # sampling well below half the pages
+        assert largest <= FOOTPRINT_BYTES + SIMULATION_BYTES
+        assert footprint(model) - footprint(model._sims) <= FOOTPRINT_BYTES  # the stack model alone
+        assert model.hit_ratio(math.inf) == pytest.approx(0.0, abs=0.001)  # nothing reused: all cold
+
+    def test_a_cyclic_scan_larger_than_the_sample_is_a_step_at_its_length(self) -> None:
+        documents, pages, rounds = 2500, 16, 3  # 40,000 distinct pages, ~5x the sample
+        lookups = [
+            ([d * pages + p for p in range(pages)], pages * PAGE) for _ in range(rounds) for d in range(documents)
+        ]
+        model = model_of(lookups)
+        assert model.sampled_keys == MAX_SAMPLED_KEYS
+        loop = documents * pages
+        assert model.hit_ratio(0.9 * loop) <= ERROR_BOUND  # LRU: nothing survives a loop longer than the cache
+        assert model.hit_ratio(1.1 * loop) == pytest.approx((rounds - 1) / rounds, abs=ERROR_BOUND)
+        assert model.hit_ratio(math.inf) == pytest.approx((rounds - 1) / rounds, abs=ERROR_BOUND)
+
+    def test_a_zipf_over_pages_is_within_the_bound_of_an_exact_lru(self) -> None:
+        rng = random.Random(5)
+        weights = list(itertools.accumulate(1 / (rank + 1) ** 0.9 for rank in range(100_000)))
+        lookups: list[Lookup] = [([bisect.bisect(weights, rng.random() * weights[-1])], PAGE) for _ in range(400_000)]
+        model = model_of(lookups)
+        assert model.sampled_keys == MAX_SAMPLED_KEYS  # sampling at ~10 %: the popular pages matter most
+        for pages in (1_000, 10_000, 50_000):
+            assert model.hit_ratio(pages) == pytest.approx(exact_lru(lookups, pages), abs=ERROR_BOUND), pages
