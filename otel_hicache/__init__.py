@@ -28,9 +28,47 @@ Time a copy the way SGLang does, on the device where CUDA is present, without sy
     >>> elapsed_seconds(start, finish) >= 0.0
     True
 
-Instrument SGLang with no code change: ``opentelemetry-instrument python -m sglang.launch_server
---enable-hierarchical-cache ...`` (see :mod:`otel_hicache.integrations.sglang`). vLLM's KV offloading needs not even
-that: vLLM loads this package's ``vllm.general_plugins`` entry point itself (see :mod:`otel_hicache.integrations.vllm`).
+API, each name importable from ``otel_hicache`` (``help(otel_hicache.<name>)`` shows one in full)::
+
+    configure(*, service_name=None, endpoint=None, protocol=None, prometheus_port=None, prometheus_host='127.0.0.1',
+              ranks=None, resource_attributes=None, pools=('kv',), extra_pools=(), cardinality_limit=2000,
+              token_metrics=True, set_global=False, env=None) -> TelemetrySetup
+        The telemetry and its exporters, from the arguments, then the standard OTEL_* variables of env (OTLP when an
+        endpoint is set, else in-process). A bad value raises ConfigError naming it, before anything starts.
+    TelemetrySetup: .telemetry (the HiCacheTelemetry), .mode, .force_flush(timeout_s=5.0), .shutdown(timeout_s=2.0)
+    HiCacheTelemetry: its record_* methods never raise into the caller and never block it
+        .record_transfer(record)                 a TransferRecord: counters, histograms and one span
+        .record_failure(failure)                 a TransferFailure: a transfer not issued or not completed
+        .record_drop(drop)                       a DropRecord: device KV destroyed without a host copy
+        .record_eviction(eviction)               an EvictionRecord, with an EvictedEntry per entry (reuse, age)
+        .record_kv_wait(wait, request_span=None) a KvWait: how long a prefill waited for its KV from a tier
+        .record_prefix_split(split, request_span=None, *, other_hit=0)
+                                                 a PrefixSplit: where a prefill's tokens came from
+        .add_pool_usage_source(source)           a callable returning PoolUsage values, read about once a second
+        .record_transfer_at(site, ...), .record_transfer_deferred(build, payload)
+                                                 the tightest hot paths (docs/api.md)
+        .snapshot()                              the exact counter totals; .flush(timeout_s=5.0); .shutdown(...)
+    TransferRecord(operation, tokens_by_pool, num_bytes, submit_time_ns, complete_time_ns, copy_duration_s=None,
+                   timing_source=TimingSource.NONE, merged_ops=1, node_count=0, bytes_by_pool=None,
+                   write_policy=None, io_backend=None, links=())
+    TransferFailure(operation, error_type, tokens_by_pool, time_ns)
+    DropRecord(reason, tokens_by_pool, time_ns)
+    EvictionRecord(tier, num_tokens, duration_s, time_ns, entries=())
+    EvictedEntry(tokens, idle_s=None, reused=None, unread_bytes=0, written_by=None)
+    KvWait(tier, wait_s, time_ns)
+    PrefixSplit(input_tokens, device_hit, host_hit, storage_hit)
+    PoolUsage(tier, pool, used, limit)
+    make_timing_event_pair(device=None) -> (start, finish, TimingSource); elapsed_seconds(start, finish); now_ns()
+    TransferOperation: backup, load_back, storage_backup, storage_prefetch
+    Tier: device, host, storage
+    DropReason: host_pressure, write_through_unbacked_eviction, other
+    PrefillMode: input, device_hit, host_hit, storage_hit, other
+    TimingSource: cuda_event, host_clock, none
+    ConfigError: a ValueError naming the bad argument or variable
+
+SGLang and vLLM need no code change: installing the package registers a plugin each engine loads itself (SGLang's
+``sglang.srt.plugins``, vLLM's ``vllm.general_plugins``); set the standard ``OTEL_*`` variables (see
+:mod:`otel_hicache.integrations.sglang` and :mod:`otel_hicache.integrations.vllm`).
 
 Modules: :mod:`~otel_hicache.semconv` (every engine-neutral name), :mod:`~otel_hicache.timing`,
 :mod:`~otel_hicache.records`, :mod:`~otel_hicache.telemetry`, :mod:`~otel_hicache.sdk`, :mod:`~otel_hicache.capacity`
@@ -95,6 +133,15 @@ def __getattr__(name: str) -> Any:
 
         return getattr(sdk, name)
     raise AttributeError(f"module 'otel_hicache' has no attribute {name!r}")
+
+
+#: The functions ``dir()`` lists, and so ``help()`` documents after the docstring's API list (which names every class:
+#: pydoc would print each class in full, each enum with ~450 lines of inherited ``str`` methods).
+_FUNCTIONS = ("configure", "elapsed_seconds", "make_timing_event_pair", "now_ns")
+
+
+def __dir__() -> list[str]:
+    return sorted({"__doc__", "__file__", "__name__", "__path__", "__version__", *_FUNCTIONS})
 
 
 __all__ = [

@@ -19,8 +19,8 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -97,7 +97,7 @@ class SignalSettings:
     compression: str | None
     timeout_s: float | None
     insecure: bool | None
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)  # their values are secrets
     certificate: str | None = None
     client_key: str | None = None
     client_certificate: str | None = None
@@ -145,43 +145,108 @@ class Settings:
     retryable_error_codes: tuple[str, ...] | None = None
 
 
-def validate(
-    env: Mapping[str, str] | None = None,
-    *,
-    service_name: str | None = None,
-    endpoint: str | None = None,
-    protocol: str | None = None,
-    prometheus_port: int | None = None,
-    prometheus_host: str = DEFAULT_PROMETHEUS_HOST,
-    ranks: Mapping[str, int] | None = None,
-    resource_attributes: Mapping[str, Any] | None = None,
-    pools: Sequence[str] = (DEFAULT_POOL,),
-    extra_pools: Sequence[str] = (),
-    cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT,
-    set_global: bool = False,
-) -> Settings:
-    """Check ``env`` (``os.environ`` when None) and ``configure()``'s arguments; return the :class:`Settings`.
+@dataclass(frozen=True)
+class Arguments:
+    """``configure()``'s arguments, as ``configure()``, :func:`validate` and the CLI pass them: each default is spelled
+    here, once (``configure()``'s signature reads them from :data:`DEFAULTS`). :meth:`check` refuses a bad one."""
+
+    service_name: str | None = None
+    endpoint: str | None = None
+    protocol: str | None = None
+    prometheus_port: int | None = None
+    prometheus_host: str = DEFAULT_PROMETHEUS_HOST
+    ranks: Mapping[str, int] | None = None
+    resource_attributes: Mapping[str, Any] | None = None
+    pools: Sequence[str] = (DEFAULT_POOL,)
+    extra_pools: Sequence[str] = ()
+    cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT
+    token_metrics: bool = True
+    set_global: bool = False
+
+    def keywords(self) -> dict[str, Any]:
+        """As ``configure()``'s keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def check(self) -> None:
+        """ConfigError naming the first bad argument (values that may hold a secret are not shown)."""
+        service_name, endpoint, protocol = self.service_name, self.endpoint, self.protocol
+        prometheus_port, prometheus_host, ranks = self.prometheus_port, self.prometheus_host, self.ranks
+        resource_attributes, pools, extra_pools = self.resource_attributes, self.pools, self.extra_pools
+        cardinality_limit, set_global = self.cardinality_limit, self.set_global
+        if service_name is not None and (not isinstance(service_name, str) or not service_name.strip()):
+            raise ConfigError(f"service_name={service_name!r}: use a non-empty string")
+        if endpoint is not None:
+            if not isinstance(endpoint, str):  # its repr is not shown: it may hold a password
+                raise ConfigError(
+                    f"endpoint: {type(endpoint).__name__} is not a URL string; use one such as http://localhost:4317"
+                )
+            check_url(endpoint, "endpoint")
+        if protocol is not None and protocol not in PROTOCOLS:
+            raise ConfigError(f"protocol {protocol!r} is not supported; use one of: {', '.join(PROTOCOLS)}")
+        if prometheus_port is not None and not _is_int(prometheus_port, 0, 65535):
+            raise ConfigError(f"prometheus_port={prometheus_port!r}: use an integer port 0-65535 (0 picks a free one)")
+        if not isinstance(prometheus_host, str):
+            raise ConfigError(f"prometheus_host={prometheus_host!r}: use a host name or IP address")
+        check_host(prometheus_host, "prometheus_host")
+        if ranks is not None:
+            if not isinstance(ranks, Mapping):
+                raise ConfigError(f"ranks={ranks!r}: use a mapping such as {{'tp': 0, 'pp': 0, 'dp': 0}}")
+            for rank, value in ranks.items():
+                if rank not in _RANKS:
+                    raise ConfigError(f"ranks: unknown rank {rank!r}; use tp, pp or dp")
+                if not _is_int(value, 0, None):
+                    raise ConfigError(f"ranks[{rank!r}]={value!r}: use an integer >= 0")
+        if resource_attributes is not None:
+            if not isinstance(resource_attributes, Mapping):
+                raise ConfigError(
+                    f"resource_attributes={resource_attributes!r}: use a mapping of str to str/bool/int/float"
+                )
+            for key, value in resource_attributes.items():
+                if not isinstance(key, str) or not key:
+                    raise ConfigError(f"resource_attributes: key {key!r} is not a non-empty string")
+                if not isinstance(value, (str, bool, int, float)):
+                    raise ConfigError(f"resource_attributes[{key!r}]={value!r}: use a str, bool, int or float")
+        if isinstance(pools, str) or not isinstance(pools, Sequence) or not pools:
+            raise ConfigError(f"pools={pools!r}: use a non-empty sequence of pool names such as ('kv',)")
+        for pool in pools:
+            if not isinstance(pool, str) or not pool:
+                raise ConfigError(f"pools: {pool!r} is not a non-empty string")
+        if isinstance(extra_pools, str) or not isinstance(extra_pools, Sequence):
+            raise ConfigError(f"extra_pools={extra_pools!r}: use a sequence of pool names such as ('swa_extra',)")
+        for pool in extra_pools:
+            if not isinstance(pool, str) or not pool:
+                raise ConfigError(f"extra_pools: {pool!r} is not a non-empty string")
+        extra = {pool for pool in extra_pools if pool not in POOLS and pool != OTHER_POOL}
+        if len(extra) > MAX_EXTRA_POOLS:
+            raise ConfigError(
+                f"extra_pools: {len(extra)} names beyond the standard pools; use at most {MAX_EXTRA_POOLS} (each is a "
+                "series of every metric)"
+            )
+        if not _is_int(cardinality_limit, 1, None):
+            raise ConfigError(f"cardinality_limit={cardinality_limit!r}: use an integer >= 1")
+        if not isinstance(set_global, bool):
+            raise ConfigError(f"set_global={set_global!r}: use True or False")
+
+
+#: ``configure()``'s defaults.
+DEFAULTS = Arguments()
+
+
+def validate(env: Mapping[str, str] | None = None, arguments: Arguments | None = None, **given: Any) -> Settings:
+    """Check ``env`` (``os.environ`` when None) and ``configure()``'s ``arguments`` (:class:`Arguments`, or ``given``
+    by name: ``validate(env, endpoint=...)`` is ``validate(env, Arguments(endpoint=...))``); return the
+    :class:`Settings`.
 
     Contract: pure apart from a once-per-value warning for a non-boolean boolean; starts nothing, binds nothing,
     imports no OTel SDK module; raises :class:`ConfigError` ("``NAME=value``: what is wrong; the accepted form"),
     naming the first bad variable or argument. Arguments win over variables: ``endpoint`` over every
     ``..._ENDPOINT``, ``protocol`` over every ``..._PROTOCOL``, ``prometheus_port`` over
-    ``OTEL_EXPORTER_PROMETHEUS_*``. The argument names and defaults are ``configure()``'s.
+    ``OTEL_EXPORTER_PROMETHEUS_*``.
     """
     env = os.environ if env is None else env
-    _check_arguments(
-        service_name,
-        endpoint,
-        protocol,
-        prometheus_port,
-        prometheus_host,
-        ranks,
-        resource_attributes,
-        pools,
-        extra_pools,
-        cardinality_limit,
-        set_global,
-    )
+    arguments = replace(arguments or DEFAULTS, **given)
+    arguments.check()
+    endpoint, protocol, prometheus_host = arguments.endpoint, arguments.protocol, arguments.prometheus_host
 
     disabled = _boolean(env, "OTEL_SDK_DISABLED") or False
     resource = key_values(env, "OTEL_RESOURCE_ATTRIBUTES")
@@ -223,8 +288,8 @@ def validate(
     retryable = _retryable_codes(env)
     _entry_point(env, "OTEL_PYTHON_CONTEXT", "opentelemetry_context")
 
-    prometheus_port_out = prometheus_port
-    if "prometheus" in metrics_kinds and prometheus_port is None:
+    prometheus_port_out = arguments.prometheus_port
+    if "prometheus" in metrics_kinds and arguments.prometheus_port is None:
         port = _integer(env, "OTEL_EXPORTER_PROMETHEUS_PORT", low=0, high=65535)
         prometheus_port_out = DEFAULT_PROMETHEUS_PORT if port is None else port
         raw_host = _raw(env, "OTEL_EXPORTER_PROMETHEUS_HOST")
@@ -238,9 +303,9 @@ def validate(
 
     return Settings(
         disabled=disabled,
-        service_name=service_name if service_name is not None else env_service,
-        resource_attributes={**resource, **(resource_attributes or {})},
-        ranks=dict(ranks or {}),
+        service_name=arguments.service_name if arguments.service_name is not None else env_service,
+        resource_attributes={**resource, **(arguments.resource_attributes or {})},
+        ranks=dict(arguments.ranks or {}),
         traces_exporters=traces_kinds,
         metrics_exporters=metrics_kinds,
         traces=traces,
@@ -257,8 +322,8 @@ def validate(
         span_limits=limits,
         prometheus_host=prometheus_host,
         prometheus_port=prometheus_port_out,
-        pools=tuple(pools),
-        cardinality_limit=cardinality_limit,
+        pools=tuple(arguments.pools),
+        cardinality_limit=arguments.cardinality_limit,
         internal_metrics=_boolean(env, "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED"),
         temporality_preference=temporality,
         histogram_aggregation=aggregation,
@@ -275,21 +340,34 @@ def check_sdk_import(env: Mapping[str, str] | None = None) -> None:
 
 def check_url(value: str, name: str) -> str:
     """``value`` as an OTLP endpoint URL (``http(s)://host[:port][/path]``, no blanks anywhere: the exporters take
-    the value as it is), or ConfigError naming ``name``."""
+    the value as it is), or ConfigError naming ``name``. The message shows the URL without its userinfo."""
     accepted = "an http:// or https:// URL such as http://localhost:4317"
     if any(c.isspace() for c in value):
-        raise ConfigError(_bad(name, value, f"{accepted} (no spaces, also none around it)"))
+        raise ConfigError(_bad(name, without_userinfo(value), f"{accepted} (no spaces, also none around it)"))
     try:
         parts = urlsplit(value)
         port = parts.port  # raises on a port that is not a number or is out of range
         host = parts.hostname
-    except ValueError as exc:
-        raise ConfigError(_bad(name, value, f"{accepted} ({exc})")) from None
+    except ValueError:  # not its text: urlsplit quotes the part it could not read, which may be a password
+        raise ConfigError(
+            _bad(name, without_userinfo(value), f"{accepted} (its host or port cannot be read: a port is 1-65535)")
+        ) from None
     if parts.scheme not in ("http", "https") or not host or not _valid_host(host):
-        raise ConfigError(_bad(name, value, accepted))
+        raise ConfigError(_bad(name, without_userinfo(value), accepted))
     if port == 0:
-        raise ConfigError(_bad(name, value, f"{accepted} (port 1-65535)"))
+        raise ConfigError(_bad(name, without_userinfo(value), f"{accepted} (port 1-65535)"))
     return value
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` as messages may show it: whatever stands before the last ``@`` of what follows the scheme (the
+    userinfo, in a URL however malformed) replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
 
 
 def _valid_host(host: str) -> bool:
@@ -305,72 +383,6 @@ def _valid_host(host: str) -> bool:
 
 
 # --------------------------------------------------------------------------- arguments
-def _check_arguments(
-    service_name: Any,
-    endpoint: Any,
-    protocol: Any,
-    prometheus_port: Any,
-    prometheus_host: Any,
-    ranks: Any,
-    resource_attributes: Any,
-    pools: Any,
-    extra_pools: Any,
-    cardinality_limit: Any,
-    set_global: Any,
-) -> None:
-    if service_name is not None and (not isinstance(service_name, str) or not service_name.strip()):
-        raise ConfigError(f"service_name={service_name!r}: use a non-empty string")
-    if endpoint is not None:
-        if not isinstance(endpoint, str):
-            raise ConfigError(f"endpoint={endpoint!r}: use a URL string such as http://localhost:4317")
-        check_url(endpoint, "endpoint")
-    if protocol is not None and protocol not in PROTOCOLS:
-        raise ConfigError(f"protocol {protocol!r} is not supported; use one of: {', '.join(PROTOCOLS)}")
-    if prometheus_port is not None and not _is_int(prometheus_port, 0, 65535):
-        raise ConfigError(f"prometheus_port={prometheus_port!r}: use an integer port 0-65535 (0 picks a free one)")
-    if not isinstance(prometheus_host, str):
-        raise ConfigError(f"prometheus_host={prometheus_host!r}: use a host name or IP address")
-    check_host(prometheus_host, "prometheus_host")
-    if ranks is not None:
-        if not isinstance(ranks, Mapping):
-            raise ConfigError(f"ranks={ranks!r}: use a mapping such as {{'tp': 0, 'pp': 0, 'dp': 0}}")
-        for rank, value in ranks.items():
-            if rank not in _RANKS:
-                raise ConfigError(f"ranks: unknown rank {rank!r}; use tp, pp or dp")
-            if not _is_int(value, 0, None):
-                raise ConfigError(f"ranks[{rank!r}]={value!r}: use an integer >= 0")
-    if resource_attributes is not None:
-        if not isinstance(resource_attributes, Mapping):
-            raise ConfigError(
-                f"resource_attributes={resource_attributes!r}: use a mapping of str to str/bool/int/float"
-            )
-        for key, value in resource_attributes.items():
-            if not isinstance(key, str) or not key:
-                raise ConfigError(f"resource_attributes: key {key!r} is not a non-empty string")
-            if not isinstance(value, (str, bool, int, float)):
-                raise ConfigError(f"resource_attributes[{key!r}]={value!r}: use a str, bool, int or float")
-    if isinstance(pools, str) or not isinstance(pools, Sequence) or not pools:
-        raise ConfigError(f"pools={pools!r}: use a non-empty sequence of pool names such as ('kv',)")
-    for pool in pools:
-        if not isinstance(pool, str) or not pool:
-            raise ConfigError(f"pools: {pool!r} is not a non-empty string")
-    if isinstance(extra_pools, str) or not isinstance(extra_pools, Sequence):
-        raise ConfigError(f"extra_pools={extra_pools!r}: use a sequence of pool names such as ('swa_extra',)")
-    for pool in extra_pools:
-        if not isinstance(pool, str) or not pool:
-            raise ConfigError(f"extra_pools: {pool!r} is not a non-empty string")
-    extra = {pool for pool in extra_pools if pool not in POOLS and pool != OTHER_POOL}
-    if len(extra) > MAX_EXTRA_POOLS:
-        raise ConfigError(
-            f"extra_pools: {len(extra)} names beyond the standard pools; use at most {MAX_EXTRA_POOLS} (each is a "
-            "series of every metric)"
-        )
-    if not _is_int(cardinality_limit, 1, None):
-        raise ConfigError(f"cardinality_limit={cardinality_limit!r}: use an integer >= 1")
-    if not isinstance(set_global, bool):
-        raise ConfigError(f"set_global={set_global!r}: use True or False")
-
-
 def _is_int(value: Any, low: int, high: int | None) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
 
@@ -495,38 +507,47 @@ def _boolean(env: Mapping[str, str], name: str) -> bool | None:
 
 def key_values(env: Mapping[str, str], name: str) -> dict[str, str]:
     """``key=value,key2=value2`` (values percent-encoded), as OTEL_RESOURCE_ATTRIBUTES and the headers use."""
-    raw = env.get(name, "")
-    out: dict[str, str] = {}
-    for member in raw.split(","):
+    accepted = "comma-separated key=value pairs, values percent-encoded"
+    return {key: unquote(value).strip() for _, key, value in _members(env, name, accepted)}
+
+
+def _members(env: Mapping[str, str], name: str, accepted: str) -> Iterator[tuple[int, str, str]]:
+    """``(position, key, raw value)`` of each member of a comma-separated ``key=value`` list (positions from 1, blank
+    members counted). A bad member is named by its position only: without ``=`` it may be the secret itself."""
+    for position, member in enumerate(env.get(name, "").split(","), 1):
         if not member.strip():
             continue
         key, sep, value = member.partition("=")
         key = unquote(key).strip()
-        if not sep or not key:
-            raise ConfigError(_bad(name, raw, "comma-separated key=value pairs, values percent-encoded"))
-        out[key] = unquote(value).strip()
-    return out
+        if not sep:
+            raise ConfigError(f"{name}: member {position} has no '=' (its text is not shown); use {accepted}")
+        if not key:
+            raise ConfigError(f"{name}: member {position} has an empty key; use {accepted}")
+        yield position, key, value
 
 
 def _headers(env: Mapping[str, str], name: str) -> dict[str, str]:
     """The headers, percent-decoded, names in lower case; a header the OTLP exporters would drop (or could not send)
-    is refused, so that an auth header never silently disappears."""
+    is refused, so that an auth header never silently disappears. Messages name a header by its position, and by
+    its name once that is a valid header name; never by its value."""
     accepted = "comma-separated name=value pairs such as api-key=secret,x-tenant=a (values percent-encoded)"
-    for member in env.get(name, "").split(","):
-        key, sep, raw_value = member.partition("=")
-        if sep and not _HEADER_VALUE.fullmatch(raw_value.strip()):
+    headers = {}
+    for position, key, raw_value in _members(env, name, accepted):
+        if not _TOKEN.fullmatch(key):
             raise ConfigError(
-                f"{name}: the value of header {unquote(key).strip()!r} holds characters the OTLP exporters drop "
+                f"{name}: the name of member {position} is not a header name (letters, digits and "
+                f"!#$%&'*+-.^_`|~ only; its text is not shown); use {accepted}"
+            )
+        if not _HEADER_VALUE.fullmatch(raw_value.strip()):
+            raise ConfigError(
+                f"{name}: the value of header {key!r} (member {position}) holds characters the OTLP exporters drop "
                 f"(non-ASCII, '\"', ';', '\\'); percent-encode them ({accepted})"
             )
-    headers = {}
-    for key, value in key_values(env, name).items():
-        if not _TOKEN.fullmatch(key):
-            raise ConfigError(f"{name}: header name {key!r} is not valid; use {accepted}")
+        value = unquote(raw_value).strip()
         if not _PRINTABLE_ASCII.fullmatch(value):
             raise ConfigError(
-                f"{name}: the value of header {key!r} is not printable ASCII once percent-decoded (gRPC and HTTP "
-                "cannot send it); use printable ASCII characters"
+                f"{name}: the value of header {key!r} (member {position}) is not printable ASCII once percent-decoded "
+                "(gRPC and HTTP cannot send it); use printable ASCII characters"
             )
         headers[key.lower()] = value
     return headers
@@ -538,6 +559,8 @@ def _file(env: Mapping[str, str], name: str) -> str | None:
     if path is None:
         return None
     accepted = "use the path of a PEM file"
+    if "-----BEGIN" in path or "\n" in path:  # a key pasted in place of its path: not shown, it may be a secret
+        raise ConfigError(f"{name}: holds PEM content (not shown), not a path; {accepted}")
     if not os.path.isfile(path):  # a directory passes os.access, and the exporter then raises
         raise ConfigError(f"{name}={path!r}: no readable file there; {accepted}")
     try:
@@ -596,6 +619,14 @@ def _signal(env: Mapping[str, str], signal: str, endpoint: str | None, protocol:
             resolved = f"{base.rstrip('/')}/v1/{signal.lower()}"
     else:
         resolved = specific_endpoint
+    if resolved is not None and chosen_protocol == "grpc" and "@" in urlsplit(resolved).netloc:
+        # the gRPC exporter takes the whole netloc for its target (so it can never connect) and logs it
+        source = "endpoint" if endpoint is not None else (specific if specific_endpoint else general) + "ENDPOINT"
+        raise ConfigError(
+            f"{source}={without_userinfo(resolved)!r} holds userinfo (user:password@), which the grpc exporter cannot "
+            "send; send credentials as a header (OTEL_EXPORTER_OTLP_HEADERS=authorization=Basic%20...) or use "
+            "http/protobuf"
+        )
     headers_name = first("HEADERS")[0]
 
     def path(suffix: str) -> str | None:

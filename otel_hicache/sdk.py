@@ -50,7 +50,6 @@ from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, SERVICE_NAMESPACE, Resource
 
-from otel_hicache import semconv as sc
 from otel_hicache._internal.export_process import ExportProcess
 from otel_hicache._internal.plan import ExportPlan
 from otel_hicache._internal.providers import (
@@ -67,7 +66,16 @@ from otel_hicache._internal.providers import (
     traces_side,
     views,
 )
-from otel_hicache.config import DEFAULT_CARDINALITY_LIMIT, NONE, ConfigError, Settings, key_values, validate
+from otel_hicache.config import (
+    DEFAULTS,
+    NONE,
+    Arguments,
+    ConfigError,
+    Settings,
+    key_values,
+    validate,
+    without_userinfo,
+)
 from otel_hicache.telemetry import HiCacheTelemetry
 
 __all__ = [
@@ -95,7 +103,8 @@ class TelemetrySetup:
     same way, for your own spans and metrics (and SGLang's request spans and stat-logger series); in ``otlp`` and
     ``none`` modes each is built when first asked for (or by ``configure(set_global=True)``), from the same ``env``,
     so a process that never asks runs no exporter, processor or reader of ours; the telemetry's own spans never go
-    through them there.
+    through them there. ``endpoint`` is where the telemetry's spans go over OTLP, as messages may show it (without
+    userinfo; None when not exporting over OTLP or the exporter's default endpoint is used).
     """
 
     def __init__(
@@ -113,6 +122,7 @@ class TelemetrySetup:
         self._app_lock = threading.RLock()
         self._closed = False
         self._identity: tuple[Any, ...] | None = None
+        self.endpoint: str | None = None
 
     @property
     def metric_reader(self) -> InMemoryMetricReader | None:
@@ -190,18 +200,18 @@ class TelemetrySetup:
 # ---------------------------------------------------------------------- configure()
 def configure(
     *,
-    service_name: str | None = None,
-    endpoint: str | None = None,
-    protocol: str | None = None,
-    prometheus_port: int | None = None,
-    prometheus_host: str = "127.0.0.1",
-    ranks: Mapping[str, int] | None = None,
-    resource_attributes: Mapping[str, Any] | None = None,
-    pools: Sequence[str] = (sc.DEFAULT_POOL,),
-    extra_pools: Sequence[str] = (),
-    cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT,
-    token_metrics: bool = True,
-    set_global: bool = False,
+    service_name: str | None = DEFAULTS.service_name,
+    endpoint: str | None = DEFAULTS.endpoint,
+    protocol: str | None = DEFAULTS.protocol,
+    prometheus_port: int | None = DEFAULTS.prometheus_port,
+    prometheus_host: str = DEFAULTS.prometheus_host,
+    ranks: Mapping[str, int] | None = DEFAULTS.ranks,
+    resource_attributes: Mapping[str, Any] | None = DEFAULTS.resource_attributes,
+    pools: Sequence[str] = DEFAULTS.pools,
+    extra_pools: Sequence[str] = DEFAULTS.extra_pools,
+    cardinality_limit: int = DEFAULTS.cardinality_limit,
+    token_metrics: bool = DEFAULTS.token_metrics,
+    set_global: bool = DEFAULTS.set_global,
     env: Mapping[str, str] | None = None,
 ) -> TelemetrySetup:
     """Build a :class:`HiCacheTelemetry` and its providers from arguments, then the ``OTEL_*`` variables of ``env``
@@ -215,9 +225,7 @@ def configure(
     globals. ``token_metrics=False`` leaves out the instruments counted in tokens (on all but one rank of a
     tensor-parallel group: see :class:`HiCacheTelemetry`).
     """
-    env = os.environ if env is None else env
-    settings = validate(
-        env,
+    arguments = Arguments(
         service_name=service_name,
         endpoint=endpoint,
         protocol=protocol,
@@ -228,15 +236,21 @@ def configure(
         pools=pools,
         extra_pools=extra_pools,
         cardinality_limit=cardinality_limit,
+        token_metrics=token_metrics,
         set_global=set_global,
     )
+    env = os.environ if env is None else env
+    settings = validate(env, arguments)
     if settings.disabled:
         noop: Any = (metrics.NoOpMeterProvider(), trace.NoOpTracerProvider())
         sides = (MetricsSide(noop[0], None, None, [], []), TracesSide(noop[1], None, []))
         return _without_export(pools, extra_pools, token_metrics, "disabled", sides=sides)
 
-    resource = build_resource(service_name, ranks, resource_attributes, env)
-    pinned = SERVICE_INSTANCE_ID in {**key_values(env, "OTEL_RESOURCE_ATTRIBUTES"), **(resource_attributes or {})}
+    resource = build_resource(arguments.service_name, arguments.ranks, arguments.resource_attributes, env)
+    pinned = SERVICE_INSTANCE_ID in {
+        **key_values(env, "OTEL_RESOURCE_ATTRIBUTES"),
+        **(arguments.resource_attributes or {}),
+    }
     identity = _claim_identity(resource, pinned)
     kinds = {*settings.traces_exporters, *settings.metrics_exporters}
     here = in_process(settings)
@@ -247,9 +261,9 @@ def configure(
         plan = ExportPlan(
             environment=_exporter_environment(env),
             resource=dict(resource.attributes),
-            endpoint=endpoint,
-            protocol=protocol,
-            cardinality_limit=cardinality_limit,
+            endpoint=arguments.endpoint,
+            protocol=arguments.protocol,
+            cardinality_limit=arguments.cardinality_limit,
             spans=settings.traces_exporters != (NONE,),
             token_metrics=token_metrics,
         )
@@ -267,10 +281,12 @@ def configure(
         )
         mode = next((k for k in ("otlp", "embedded", "console") if k in kinds), "prometheus")
         setup = TelemetrySetup(telemetry, mode, sides)
+    if "otlp" in settings.traces_exporters and settings.traces.endpoint is not None:
+        setup.endpoint = without_userinfo(settings.traces.endpoint)
     if identity is not None:
         setup._identity = identity
         _IDENTITIES[identity] = setup
-    if set_global:
+    if arguments.set_global:
         trace.set_tracer_provider(setup.tracer_provider)
         metrics.set_meter_provider(setup.meter_provider)
     _AT_EXIT.add(setup)

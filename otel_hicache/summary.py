@@ -3,7 +3,8 @@
 :func:`summarize` reads the embedded set-up (:attr:`TelemetrySetup.metric_reader` and
 :attr:`TelemetrySetup.recent_spans`), so the summary shows exactly what an exporter would have sent. Where a run
 exported over OTLP instead (no in-process reader), the exact counters come from
-:meth:`HiCacheTelemetry.snapshot` and the duration figures are left out.
+:meth:`HiCacheTelemetry.snapshot` and the duration figures are left out; :class:`Delivery` then says what the
+collector took (:meth:`HiCacheTelemetry.span_delivery`: spans delivered and dropped, and where they went).
 
     >>> from otel_hicache import configure, TransferRecord, TransferOperation, now_ns
     >>> from otel_hicache.summary import summarize
@@ -51,6 +52,7 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint, MetricsData
 
 from otel_hicache import semconv as sc
 from otel_hicache.sdk import TelemetrySetup
+from otel_hicache.telemetry import SpanDelivery
 
 _HIT_MODES = {
     sc.Tier.DEVICE.value: sc.PrefillMode.DEVICE_HIT.value,
@@ -95,6 +97,26 @@ class PoolStats:
 
 
 @dataclass(frozen=True)
+class Delivery:
+    """What became of a run's spans exported from another process (the OTLP mode of :func:`configure`).
+
+    ``exported``: taken by the collector (delivered); ``failed``: sent and not taken (unreachable, erroring or too
+    slow); ``shed``: never sent, the queue full. Both of the last are dropped. ``complete``: the flush before the
+    summary finished within ``waited_s``, so nothing was still in flight."""
+
+    endpoint: str | None  # where the spans went, without userinfo (None: the exporter's default)
+    exported: int
+    failed: int
+    shed: int
+    complete: bool
+    waited_s: float
+
+    @property
+    def dropped(self) -> int:
+        return self.failed + self.shed
+
+
+@dataclass(frozen=True)
 class Summary:
     """Everything :func:`summarize` computes. Mappings are keyed by semconv attribute values."""
 
@@ -119,6 +141,7 @@ class Summary:
     spans_recorded: int  # spans the embedded store received (0 when exporting elsewhere)
     source: str  # "metric_reader" or "snapshot"
     notes: list[str] = field(default_factory=list)
+    delivery: Delivery | None = None  # exported from another process: what the collector took
 
     @property
     def prefill_total(self) -> int:
@@ -137,13 +160,20 @@ class Summary:
         return sum(self.drops.values())
 
 
-def summarize(setup: TelemetrySetup, prefill_seconds_per_token: float | None = None) -> Summary:
+def summarize(
+    setup: TelemetrySetup, prefill_seconds_per_token: float | None = None, delivery_wait_s: float = 5.0
+) -> Summary:
     """Compute the :class:`Summary` of everything ``setup`` has recorded so far (queued records first: flushed into the
-    in-process reader; when exporting elsewhere the exact counters are read, nothing waits on the collector).
+    in-process reader; when exporting elsewhere the exact counters are read, and the export process is given up to
+    ``delivery_wait_s`` to send what is queued, so the delivery counts are final when the collector answers).
 
     ``prefill_seconds_per_token``: what recomputing a token costs on the caller's engine, to compare loads with."""
     if setup.metric_reader is not None or setup.recent_spans is not None:
         setup.telemetry.flush()
+    sent, complete = setup.telemetry.span_delivery(), True
+    if sent is not None:  # exported from another process: what the collector took, once what is queued was sent
+        complete = setup.telemetry.flush(delivery_wait_s)
+        sent = setup.telemetry.span_delivery()
     notes: list[str] = []
     histograms: dict[str, list[HistogramDataPoint]] = {}
     pools: list[PoolStats] = []
@@ -232,7 +262,16 @@ def summarize(setup: TelemetrySetup, prefill_seconds_per_token: float | None = N
         spans_recorded=setup.recent_spans.total if setup.recent_spans is not None else 0,
         source=source,
         notes=notes,
+        delivery=None if sent is None else _delivery(setup.endpoint, sent, counters, complete, delivery_wait_s),
     )
+
+
+def _delivery(
+    endpoint: str | None, sent: SpanDelivery, counters: _Counters, complete: bool, waited_s: float
+) -> Delivery:
+    """The export process's tally, and the spans the host shed (``records.dropped{transfer}`` holds both)."""
+    dropped = counters.get(sc.METRIC_RECORDS_DROPPED, {}).get((sc.RecordKind.TRANSFER.value,), 0)
+    return Delivery(endpoint, sent.exported, sent.failed, max(0, dropped - sent.failed), complete, waited_s)
 
 
 # --------------------------------------------------------------------------- reading the exported data

@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanContext
@@ -49,7 +49,7 @@ from opentelemetry.trace import Span, SpanContext
 from otel_hicache import semconv as sc
 from otel_hicache._internal import validation
 from otel_hicache._internal.accumulation import Layout
-from otel_hicache._internal.channel import EXPORTER_PID, HEADER_INTS, Channel
+from otel_hicache._internal.channel import EXPORT_DROPPED, EXPORTER_PID, HEADER_INTS, SPANS_EXPORTED, Channel
 from otel_hicache._internal.consumers import Consumer, InProcessConsumer
 from otel_hicache._internal.counting import Tally
 from otel_hicache._internal.deferred import Build, DeferredQueue
@@ -77,11 +77,21 @@ __all__ = [
     "HiCacheTelemetry",
     "PoolSource",
     "PoolUsage",
+    "SpanDelivery",
     "TierCapacity",
     "TransferSite",
 ]
 
 _log = logging.getLogger(__name__)
+
+
+class SpanDelivery(NamedTuple):
+    """Spans the export process sent: ``exported``, taken by every span exporter (delivered); ``failed``, refused by
+    one or not sent (the collector unreachable, erroring or too slow): dropped and counted in
+    ``otel_hicache.records.dropped``."""
+
+    exported: int
+    failed: int
 
 
 class HiCacheTelemetry:
@@ -335,6 +345,14 @@ class HiCacheTelemetry:
     def export_pid(self) -> int | None:
         """The pid of the export process reading this telemetry's memory, once it attached (None in-process)."""
         return int(self._host.channel.ints[EXPORTER_PID]) or None if self._host.shared else None
+
+    def span_delivery(self) -> SpanDelivery | None:
+        """What the export process did with the spans it built so far (None in-process, where this telemetry sends
+        nothing itself). Spans shed before it (the queue full) are in ``otel_hicache.records.dropped`` alone."""
+        if not self._host.shared:
+            return None
+        ints = self._host.channel.ints
+        return SpanDelivery(exported=int(ints[SPANS_EXPORTED]), failed=int(ints[EXPORT_DROPPED]))
 
     def snapshot(self) -> dict[str, dict[tuple[Any, ...], int]]:
         """The cumulative counter values by metric name and attribute values (exact: deferred records counted)."""

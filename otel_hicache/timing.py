@@ -4,7 +4,8 @@
   ``enable_timing=True`` where CUDA is available (``source`` is ``TimingSource.CUDA_EVENT``), else two
   :class:`HostClockEvent` with the same ``record / query / synchronize / elapsed_time`` interface
   (``TimingSource.HOST_CLOCK``). Record them on the transfer stream right around the
-  copy loop; the duration then covers the copy only.
+  copy loop; the duration then covers the copy only. Without torch (the core install) the host clock is the clock,
+  silently; a torch that cannot time (a broken driver) is reported in one warning.
 * :func:`elapsed_seconds` reads a duration only from a pair whose finish event is already complete (``query()``),
   so it never synchronises the device. A pair that cannot time gives ``None``, never a made-up number.
 * :class:`WallClockAnchor` ties the monotonic clock to the wall clock once, so span timestamps are epoch
@@ -67,8 +68,10 @@ def cuda_timing_available() -> bool:
             return False
         torch.cuda.Event(enable_timing=True)
         return True
-    except Exception as exc:  # no torch, broken driver, ...: fall back, say so once
-        _log.warning("otel_hicache: CUDA event timing unavailable (%s); using the host clock", exc)
+    except Exception as exc:  # a broken torch or driver: fall back, say so once
+        # without torch at all (the core install) the host clock is the documented clock: nothing to say
+        if not (isinstance(exc, ModuleNotFoundError) and exc.name == "torch"):
+            _log.warning("otel_hicache: CUDA event timing unavailable (%s); using the host clock", exc)
         return False
 
 

@@ -5,13 +5,24 @@ Docstring examples run as doctests of every module (``--doctest-modules`` in pyp
 
 from __future__ import annotations
 
+import enum
+import inspect
 import re
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
+import yaml
+
+import otel_hicache
 from otel_hicache import semconv as sc
 from otel_hicache.integrations.sglang.semconv import SGLANG_SERIES
 from otel_hicache.integrations.vllm.semconv import VLLM_SERIES
 from otel_hicache.sdk import TelemetrySetup
+from otel_hicache.telemetry import HiCacheTelemetry
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
@@ -83,3 +94,100 @@ def test_every_link_between_the_readme_and_docs_resolves() -> None:
 def test_every_page_of_docs_is_linked_from_the_readme() -> None:
     linked = set(re.findall(r"\]\(docs/([a-z-]+\.md)\)", README.read_text()))
     assert linked == {page.name for page in DOCS.glob("*.md")}
+
+
+def test_help_of_the_package_is_a_short_manual_of_the_api() -> None:
+    """``help(otel_hicache)``: under 200 lines, naming every public name, no class printed in full."""
+    command = [sys.executable, "-c", "import otel_hicache; help(otel_hicache)"]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert 20 < len(shown.splitlines()) < 200
+    assert "inherited from builtins.str" not in shown
+    words = set(re.findall(r"[A-Za-z_]+", shown))
+    assert set(otel_hicache.__all__) - {"__version__"} <= words
+    assert {name for name in vars(HiCacheTelemetry) if name.startswith("record_")} <= words
+
+    def spelled(name: str, call: Any) -> str:  # how the API list writes a call: its parameters and defaults
+        parts: list[str] = []
+        for p in inspect.signature(call).parameters.values():
+            if p.kind is p.KEYWORD_ONLY and "*" not in parts:
+                parts.append("*")
+            if p.default is p.empty:
+                parts.append(p.name)
+            elif isinstance(p.default, enum.Enum):
+                parts.append(f"{p.name}={type(p.default).__name__}.{p.default.name}")
+            else:
+                parts.append(f"{p.name}={p.default!r}")
+        return f"{name}({', '.join(parts)})"
+
+    text = " ".join(str(otel_hicache.__doc__).split())
+    for name in ("configure", *otel_hicache._RECORDS):
+        assert spelled(name, getattr(otel_hicache, name)) in text, name
+    for cls in (sc.TransferOperation, sc.Tier, sc.DropReason, sc.PrefillMode, sc.TimingSource):
+        assert f"{cls.__name__}: {', '.join(m.value for m in cls)} " in text, cls
+
+
+def _engine_places() -> list[str]:
+    """The places docs/adding-an-engine.md lists for a new engine, in order."""
+    text = section(DOCS / "adding-an-engine.md", "Every place an engine touches")
+    return re.findall(r"^- `([^`]+)`:", text, flags=re.MULTILINE)
+
+
+def _checks(engine: str, markers: list[str]) -> dict[str, Callable[[], bool]]:
+    """For each place of the list, whether ``engine`` is there (``markers``: pytest's registered markers)."""
+    from importlib.metadata import distribution
+
+    from otel_hicache import integrations
+    from otel_hicache import package as package_module
+
+    registry = yaml.safe_load((ROOT / "registry" / "hicache" / "registry.yaml").read_text())
+    (engines,) = [a for g in registry["groups"] for a in g.get("attributes", []) if a.get("id") == sc.RESOURCE_ENGINE]
+    dist = distribution("otel-hicache")  # pyproject.toml as installed
+    package = f"otel_hicache.integrations.{engine}"
+    instrumentors = [ep.value for ep in dist.entry_points if ep.group == "opentelemetry_instrumentor"]
+    plugins = [ep.value for ep in dist.entry_points if ep.group != "opentelemetry_instrumentor"]
+    instrument = next((t for t in _titles() if t.lower() == f"instrument {engine}"), None)
+    return {
+        "otel_hicache/integrations/<engine>/": lambda: (ROOT / "otel_hicache" / "integrations" / engine).is_dir(),
+        "otel_hicache/semconv.py": lambda: engine in {e.value for e in sc.Engine},
+        "registry/hicache/registry.yaml": lambda: engine in {m["value"] for m in engines["type"]["members"]},
+        "otel_hicache/package.py": lambda: (
+            hasattr(package_module, f"_instruments_{engine}") and f"instruments-{engine}" in package_module.EXTRAS
+        ),
+        "pyproject.toml": lambda: (
+            f"instruments-{engine}" in (dist.metadata.get_all("Provides-Extra") or [])
+            and any(v.startswith(f"{package}:") for v in instrumentors)
+            and any(v.startswith(f"{package}.plugin:") for v in plugins)
+            and any(m.startswith(f"{engine}:") for m in markers)
+        ),
+        "otel_hicache/integrations/__init__.py": lambda: f":mod:`{package}`" in str(integrations.__doc__),
+        "docs/<engine>.md": lambda: (
+            (DOCS / f"{engine}.md").is_file()
+            and instrument is not None
+            and f"](docs/{engine}.md)" in section(README, instrument)
+        ),
+        "tests/<engine>/": lambda: (
+            (ROOT / "tests" / engine).is_dir()
+            and (ROOT / "scripts" / f"setup-{engine}-venv.sh").is_file()
+            and f"tests/{engine}" in (ROOT / "scripts" / "test.sh").read_text()
+        ),
+        "tests/integrations/test_<engine>_names.py": lambda: (
+            ROOT / "tests" / "integrations" / f"test_{engine}_names.py"
+        ).is_file(),
+    }
+
+
+def _titles() -> list[str]:
+    return re.findall(r"^## (.+)$", README.read_text(), flags=re.MULTILINE)
+
+
+def test_every_engine_is_in_every_place_adding_an_engine_lists(pytestconfig: pytest.Config) -> None:
+    """The list and the checks are one-to-one, and every engine adapter of the package passes every check."""
+    engines = sorted(
+        p.name for p in (ROOT / "otel_hicache" / "integrations").iterdir() if (p / "__init__.py").is_file()
+    )
+    assert engines == ["sglang", "vllm"]
+    for engine in engines:
+        checks = _checks(engine, pytestconfig.getini("markers"))
+        assert _engine_places() == list(checks)
+        for place, check in checks.items():
+            assert check(), f"{engine} is missing from {place}"

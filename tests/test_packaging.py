@@ -112,6 +112,42 @@ def test_the_core_imports_and_configures_without_torch_click_tqdm_or_numpy(tmp_p
     assert json.loads(done.stdout) == {"modes": {"embedded": 4, "otlp": 4}, "timing": "host_clock", "loaded": []}
 
 
+def readme_example(title: str) -> str:
+    """The Python block of the README section ``title``."""
+    text = (ROOT / "README.md").read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    return str(block)
+
+
+def test_the_readme_example_on_the_core_install_prints_nothing_on_stderr(tmp_path: Path) -> None:
+    """Without torch the host clock is the documented clock: no warning about CUDA timing. torch, click, tqdm and numpy
+    are blocked by packages first on the path that raise ModuleNotFoundError on import, as a missing package does
+    (the interpreter and its site-packages stay the real ones: a second venv would cost minutes per run)."""
+    script = readme_example("Report from your own engine") + "setup.shutdown()\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=blocked(tmp_path, *DEMO_ONLY), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+
+
+def test_a_torch_that_cannot_time_says_so_in_one_line(tmp_path: Path) -> None:
+    """A torch that is installed but broken (its CUDA library missing, which no CPU machine can cause otherwise): one
+    warning, however many pairs are made, and host-clock timing."""
+    (tmp_path / "torch").mkdir()
+    broken = "raise OSError('libcudart.so.12: cannot open shared object file')\n"
+    (tmp_path / "torch" / "__init__.py").write_text(broken)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    script = "from otel_hicache import make_timing_event_pair as m; print(m()[2].value, m()[2].value)"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["host_clock", "host_clock"]
+    assert done.stderr.splitlines() == [
+        "otel_hicache: CUDA event timing unavailable (libcudart.so.12: cannot open shared object file); "
+        "using the host clock"
+    ]
+
+
 @pytest.mark.parametrize("missing", ["click", "torch"])
 def test_the_command_without_the_demo_extra_says_in_one_line_what_to_install(tmp_path: Path, missing: str) -> None:
     command = [sys.executable, "-m", "otel_hicache", "demo", "--requests", "5"]

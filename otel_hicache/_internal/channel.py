@@ -16,7 +16,8 @@ Layout (all int64-aligned)::
   trace ids (``ID_SEED`` and the slot's sequence number make them), as an OTLP retry would.
 * The **header** also carries the flush handshake (``FLUSH_REQ`` / ``FLUSH_DONE``), the exporter's pid and the spans
   whose export failed (``EXPORT_DROPPED``, written by the exporter alone and reported in
-  ``otel_hicache.records.dropped`` with the host's own count: see :class:`ChannelCounters`).
+  ``otel_hicache.records.dropped`` with the host's own count: see :class:`ChannelCounters`), and those every span
+  exporter took (``SPANS_EXPORTED``, the exporter's too: what a summary calls delivered).
 
 Shared (``os.memfd_create``, inherited by the export process as a file descriptor, so nothing is left on disk or in
 ``/dev/shm`` when either side dies) or private (an anonymous mapping, for the in-process consumer).
@@ -40,7 +41,7 @@ from otel_hicache._internal.validation import MAX_LABEL_BYTES, Link, Transfer
 from otel_hicache.records import TransferRecord
 
 # header slots
-MAGIC, WRITE, READ, SETTLED, FLUSH_REQ, FLUSH_DONE, EXPORTER_PID, EXPORT_DROPPED, ID_SEED = range(9)
+MAGIC, WRITE, READ, SETTLED, FLUSH_REQ, FLUSH_DONE, EXPORTER_PID, EXPORT_DROPPED, ID_SEED, SPANS_EXPORTED = range(10)
 HEADER_INTS = 16
 _MAGIC = 0x4849434143484531  # "HICACHE1"
 

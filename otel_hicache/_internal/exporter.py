@@ -37,6 +37,7 @@ from otel_hicache._internal.channel import (
     ID_SEED,
     READ,
     SETTLED,
+    SPANS_EXPORTED,
     Channel,
 )
 from otel_hicache._internal.emitter import Emitter
@@ -181,7 +182,9 @@ class _Sender:
         for at in range(0, len(spans), self._batch):
             chunk: Sequence[ReadableSpan] = spans[at : at + self._batch]
             sent = [_export(exporter, chunk) for exporter in self._exporters]
-            if not all(sent):
+            if all(sent):
+                ints[SPANS_EXPORTED] += len(chunk)
+            else:
                 ints[EXPORT_DROPPED] += len(chunk)
         self._channel.settle()
         self._since = 0.0

@@ -3,6 +3,8 @@
 * :mod:`.sdk`: :func:`~.sdk.make_sdk`, an SDK reading into memory with the production Views;
 * :mod:`.otlp_receiver`: an in-process OTLP receiver (gRPC and HTTP) the real exporters deliver to;
 * :mod:`.sglang`: SGLang 0.5.23's real HiCache classes on a CPU (shims for its four GPU-only pieces);
+* :mod:`.vocabulary`: writes the registry's metric groups and docs/vocabulary.md's instrument table from the rows of
+  ``semconv.INSTRUMENTS``;
 * :func:`free_port`: a free TCP port on 127.0.0.1.
 """
 

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from click.testing import CliRunner, Result
 
 from otel_hicache import semconv as sc
 from otel_hicache.cli import main
+from otel_hicache.testing import free_port
 from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
 
 #: No OTEL_* from the developer's shell: the embedded default unless a test sets otherwise.
@@ -146,7 +150,7 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [  # unformatted: one c
     ([], {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317 "}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://collector:4317 ' is not valid"),
     ([], {"OTEL_PYTHON_CONTEXT": "nope"}, "OTEL_PYTHON_CONTEXT='nope' is not valid"),
     ([], {"OTEL_EXPORTER_OTLP_PROTOCOL": "udp"}, "OTEL_EXPORTER_OTLP_PROTOCOL='udp' is not supported"),
-    ([], {"OTEL_EXPORTER_OTLP_HEADERS": "api key=1"}, "OTEL_EXPORTER_OTLP_HEADERS: header name 'api key'"),
+    ([], {"OTEL_EXPORTER_OTLP_HEADERS": "api key=1"}, "OTEL_EXPORTER_OTLP_HEADERS: the name of member 1 is not a header name"),
     ([], {"OTEL_EXPORTER_OTLP_TIMEOUT": "-3"}, "OTEL_EXPORTER_OTLP_TIMEOUT='-3' is out of range"),
     ([], {"OTEL_EXPORTER_OTLP_COMPRESSION": "brotli"}, "OTEL_EXPORTER_OTLP_COMPRESSION='brotli'"),
     ([], {"OTEL_EXPORTER_OTLP_CERTIFICATE": "/nonexistent/ca.pem"}, "OTEL_EXPORTER_OTLP_CERTIFICATE="),
@@ -242,6 +246,10 @@ def test_endpoint_delivers_spans_and_metrics_to_an_otlp_receiver(protocol: str, 
         resource = attributes(receiver.trace_requests[0].resource_spans[0].resource.attributes)
         assert resource["service.name"] == "cli-test"
         assert resource[sc.RESOURCE_ENGINE] == "reference"
+        # the summary waited for the collector's answer: what it calls delivered is what the receiver holds
+        delivery = body["delivery"]
+        assert (delivery["exported"], delivery["failed"], delivery["shed"]) == (len(spans), 0, 0)
+        assert delivery["complete"] is True
 
 
 def test_otlp_endpoint_from_the_standard_environment_variable() -> None:
@@ -254,8 +262,61 @@ def test_otlp_endpoint_from_the_standard_environment_variable() -> None:
             env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
         )
         assert result.exit_code == 0, result.output
-        assert "Exported over OTLP" in result.output
-        assert receiver.spans() and receiver.latest_metric(sc.METRIC_PREFILL_TOKENS) is not None
+        spans = receiver.spans()
+        assert spans and receiver.latest_metric(sc.METRIC_PREFILL_TOKENS) is not None
+        assert result.output.splitlines()[1] == (
+            f"OTLP to the collector at {receiver.http_endpoint}/v1/traces: {len(spans)} spans delivered, 0 dropped "
+            "(0 not taken, 0 shed with the queue full); counters below are this process's exact totals."
+        )
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_a_demo_against_a_closed_port_says_nothing_was_delivered_and_names_the_collector(protocol: str) -> None:
+    """Nothing listens: the run itself worked (exit 0), and the summary says the collector took nothing, names it
+    (without the userinfo the URL carried, for http/protobuf) and never says exported."""
+    port = free_port()
+    userinfo = "user:pw@" if protocol == "http/protobuf" else ""  # grpc refuses userinfo
+    endpoint = f"http://{userinfo}127.0.0.1:{port}"
+    result = run("demo", "--requests", "20", "--no-progress", "--endpoint", endpoint, "--protocol", protocol)
+    assert result.exit_code == 0, result.output
+    shown = f"http://{'***@' if userinfo else ''}127.0.0.1:{port}{'/v1/traces' if userinfo else ''}"
+    assert result.output.splitlines()[1] == (
+        f"OTLP: nothing delivered yet: the collector at {shown} took no span in the 5 s this summary waited (0 dropped "
+        "so far): is it running and reachable? Counters below are this process's own totals, not what the collector "
+        "has."
+    )
+    assert "Exported" not in result.output and "spans delivered" not in result.output and "pw@" not in result.output
+
+
+def test_a_collector_that_refuses_every_export_is_named_with_every_span_dropped() -> None:
+    """An OTLP/HTTP endpoint that answers 400 (not retried): each span is dropped at once, and the summary says so."""
+    refused: list[int] = []
+
+    class Refusing(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            refused.append(1)
+            self.send_response(400)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Refusing) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        result = run("demo", "--requests", "20", "--no-progress", "--endpoint", endpoint, "--protocol", "http/protobuf")
+        server.shutdown()
+    assert result.exit_code == 0, result.output
+    line = result.output.splitlines()[1]
+    said = re.fullmatch(
+        rf"OTLP: nothing delivered: the collector at {endpoint}/v1/traces took none of (\d+) spans, all dropped: is it "
+        r"running and reachable\? Counters below are this process's own totals, not what the collector has\.",
+        line,
+    )
+    assert said is not None, line
+    assert int(said.group(1)) > 0 and refused  # the collector was asked, and refused them all
 
 
 def test_prometheus_port_serves_the_run_while_lingering() -> None:

@@ -40,11 +40,11 @@ BAD_ENV: list[tuple[dict[str, str], str]] = [  # unformatted: one case a line, a
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://coll{ector}:4317"}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://coll{ector}:4317' is not valid"),
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported; use one of: grpc, http/protobuf"),
     ({"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "udp"}, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL='udp'"),
-    ({"OTEL_EXPORTER_OTLP_HEADERS": "api key=secret"}, "OTEL_EXPORTER_OTLP_HEADERS: header name 'api key' is not valid"),
-    ({"OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer s\u00e9same"}, "OTEL_EXPORTER_OTLP_HEADERS: the value of header 'authorization' holds characters the OTLP exporters drop"),
-    ({"OTEL_EXPORTER_OTLP_METRICS_HEADERS": 'x-tenant="a"'}, "OTEL_EXPORTER_OTLP_METRICS_HEADERS: the value of header 'x-tenant' holds characters"),
-    ({"OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=caf%C3%A9"}, "OTEL_EXPORTER_OTLP_HEADERS: the value of header 'x-tenant' is not printable ASCII once percent-decoded"),
-    ({"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "no-value-here"}, "OTEL_EXPORTER_OTLP_TRACES_HEADERS='no-value-here' is not valid; use comma-separated key=value"),
+    ({"OTEL_EXPORTER_OTLP_HEADERS": "api key=secret"}, "OTEL_EXPORTER_OTLP_HEADERS: the name of member 1 is not a header name"),
+    ({"OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer s\u00e9same"}, "OTEL_EXPORTER_OTLP_HEADERS: the value of header 'authorization' (member 1) holds characters the OTLP exporters drop"),
+    ({"OTEL_EXPORTER_OTLP_METRICS_HEADERS": 'x-tenant="a"'}, "OTEL_EXPORTER_OTLP_METRICS_HEADERS: the value of header 'x-tenant' (member 1) holds characters"),
+    ({"OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=caf%C3%A9"}, "OTEL_EXPORTER_OTLP_HEADERS: the value of header 'x-tenant' (member 1) is not printable ASCII once percent-decoded"),
+    ({"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "no-value-here"}, "OTEL_EXPORTER_OTLP_TRACES_HEADERS: member 1 has no '=' (its text is not shown); use comma-separated name=value"),
     ({"OTEL_EXPORTER_OTLP_TIMEOUT": "-1"}, "OTEL_EXPORTER_OTLP_TIMEOUT='-1' is out of range; use seconds > 0"),
     ({"OTEL_EXPORTER_OTLP_TIMEOUT": "0"}, "OTEL_EXPORTER_OTLP_TIMEOUT='0' is out of range"),
     ({"OTEL_EXPORTER_OTLP_METRICS_TIMEOUT": "soon"}, "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT='soon' is not a number"),
@@ -75,8 +75,8 @@ BAD_ENV: list[tuple[dict[str, str], str]] = [  # unformatted: one case a line, a
     ({"OTEL_BSP_EXPORT_TIMEOUT": "-1"}, "OTEL_BSP_EXPORT_TIMEOUT='-1' is not valid; use an integer >= 0"),
     *[({name: value}, f"{name}={value!r} is not valid; use an integer >= 0, or unset") for name in SPAN_LIMITS for value in ("many", "-1")],
     ({"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "1.5"}, "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT='1.5'"),
-    ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment"}, "OTEL_RESOURCE_ATTRIBUTES='deployment.environment' is not valid; use comma-separated key=value pairs"),
-    ({"OTEL_RESOURCE_ATTRIBUTES": "a=1,=2"}, "OTEL_RESOURCE_ATTRIBUTES='a=1,=2'"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment"}, "OTEL_RESOURCE_ATTRIBUTES: member 1 has no '=' (its text is not shown); use comma-separated key=value pairs"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "a=1,=2"}, "OTEL_RESOURCE_ATTRIBUTES: member 2 has an empty key"),
     ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin' is not supported; use one of: none, console, otlp, otlp_proto_grpc, otlp_proto_http"),
     ({"OTEL_TRACES_EXPORTER": "otlp,zipkin"}, "OTEL_TRACES_EXPORTER='otlp,zipkin' is not supported; use one of: none, console, otlp, otlp_proto_grpc, otlp_proto_http (or a comma-separated list"),
     ({"OTEL_METRICS_EXPORTER": "none,otlp"}, "OTEL_METRICS_EXPORTER='none,otlp' lists none with other exporters; use none alone"),
@@ -92,7 +92,7 @@ BAD_ENV: list[tuple[dict[str, str], str]] = [  # unformatted: one case a line, a
 BAD_ARGUMENTS: list[tuple[dict[str, Any], str]] = [
     ({"endpoint": "http://[::1"}, "endpoint='http://[::1' is not valid"),
     ({"endpoint": "collector:4317"}, "endpoint='collector:4317' is not valid; use an http:// or https:// URL"),
-    ({"endpoint": 4317}, "endpoint=4317: use a URL string"),
+    ({"endpoint": 4317}, "endpoint: int is not a URL string"),
     ({"protocol": "udp"}, "protocol 'udp' is not supported; use one of: grpc, http/protobuf"),
     ({"prometheus_port": -1}, "prometheus_port=-1: use an integer port 0-65535"),
     ({"prometheus_port": 70000}, "prometheus_port=70000"),
@@ -273,3 +273,22 @@ def test_importing_the_package_never_fails_on_the_environment() -> None:
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout.strip() == "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT='many' is not valid; use an integer >= 0, or unset"
+
+
+def test_configure_validate_and_the_command_share_one_arguments_object_and_its_defaults() -> None:
+    """configure()'s keyword arguments are the fields of config.Arguments, with its defaults (read from it, so they
+    cannot drift); validate() takes the same object; the command's --prometheus-host default is the same value."""
+    import dataclasses
+    import inspect
+
+    from otel_hicache import configure
+    from otel_hicache.cli import demo
+    from otel_hicache.config import DEFAULTS, Arguments
+
+    parameters = {n: p.default for n, p in inspect.signature(configure).parameters.items() if n != "env"}
+    assert parameters == {f.name: getattr(DEFAULTS, f.name) for f in dataclasses.fields(Arguments)}
+    assert validate({}, Arguments(prometheus_host="::1", cardinality_limit=7)) == validate(
+        {}, prometheus_host="::1", cardinality_limit=7
+    )
+    (host,) = [p for p in demo.params if p.name == "prometheus_host"]
+    assert host.default == DEFAULTS.prometheus_host
