@@ -323,11 +323,14 @@ class CapacityModel:
             pages = tokens / self.page_tokens
             ratios = {}
             for name, factor in sc.CAPACITY_FACTOR_VALUES.items():
-                size = math.floor(factor * pages) if not math.isinf(factor) else math.inf
-                sim = None if row.inclusive or math.isinf(size) else self._sims.get((faster, size))
+                if math.isinf(factor):
+                    ratios[name] = ceiling
+                    continue
+                size = math.floor(factor * pages)
+                sim = None if row.inclusive else self._sims.get((faster, size))
                 if sim is not None:  # its own sample: never above the ceiling of the larger one
                     ratios[name] = min(self._share(sim.hits, sim.sampled), ceiling)
-                else:  # an exclusive tier not simulated (yet): what it would hold with no copy in both
+                else:  # inclusive, or an exclusive tier not simulated yet (as if it held no copy of the faster's)
                     ratios[name] = self.hit_ratio(max(size, faster) if row.inclusive else faster + size)
             out[Tier(row.tier).value] = TierCurve(tokens, ratios)
         return out
