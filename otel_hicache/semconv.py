@@ -102,6 +102,7 @@ class RecordKind(_StrEnum):
     POOL_USAGE = "pool_usage"
     KV_WAIT = "kv_wait"
     ENGINE_CHECK = "engine_check"
+    CAPACITY = "capacity"  # a request's prefix lookup handed to the capacity estimator (otel_hicache.capacity)
 
 
 class Problem(_StrEnum):
@@ -148,6 +149,13 @@ ATTR_ERROR_TYPE: Final = "error.type"
 ATTR_TIMING_SOURCE: Final = "hicache.timing.source"
 #: Whether an evicted entry served any hit while in the tier it was evicted from (a boolean; absent: unknown).
 ATTR_EVICTION_REUSED: Final = "hicache.eviction.reused"
+
+#: The size factor of a tier in ``hicache.capacity.hit_ratio``: one of :data:`CAPACITY_FACTORS`.
+ATTR_CAPACITY_FACTOR: Final = "hicache.capacity.factor"
+
+#: What-if sizes of a tier, as a factor of its capacity today (``inf``: unbounded, the ceiling), and their values.
+CAPACITY_FACTORS: Final[tuple[str, ...]] = ("0.25", "0.5", "1", "2", "4", "8", "inf")
+CAPACITY_FACTOR_VALUES: Final[dict[str, float]] = {f: float(f) for f in CAPACITY_FACTORS}
 
 # span-only attributes
 ATTR_TOKENS: Final = "hicache.transfer.token_count"  # total logical tokens
@@ -203,6 +211,7 @@ METRIC_REQUEST_KV_WAIT: Final = "hicache.request.kv_wait"
 METRIC_PREFILL_TOKENS: Final = "hicache.prefill.tokens"
 METRIC_POOL_USAGE: Final = "hicache.pool.usage"
 METRIC_POOL_LIMIT: Final = "hicache.pool.limit"
+METRIC_CAPACITY_HIT_RATIO: Final = "hicache.capacity.hit_ratio"
 METRIC_RECORDS_REJECTED: Final = "otel_hicache.records.rejected"
 METRIC_RECORDS_NORMALIZED: Final = "otel_hicache.records.normalized"
 METRIC_RECORDS_DROPPED: Final = "otel_hicache.records.dropped"
@@ -214,6 +223,7 @@ UNIT_SECOND: Final = "s"
 UNIT_TRANSFER: Final = "{transfer}"
 UNIT_RECORD: Final = "{record}"
 UNIT_MISMATCH: Final = "{mismatch}"
+UNIT_RATIO: Final = "1"
 
 #: Transfer copy durations: ~100 us (a small H->D load back) up to 60 s (a blocking write-back backup).
 TRANSFER_DURATION_BUCKETS: Final[tuple[float, ...]] = (  # unformatted: a row of numbers, not one a line
@@ -240,6 +250,7 @@ class Feed(_StrEnum):
     POINTS = "points"  # histogram points a producer call queues, by the row's attributes
     POOL_USAGE = "pool_usage"  # the last pool reading: used and free slots
     POOL_LIMIT = "pool_limit"  # the last pool reading: capacity
+    CAPACITY = "capacity"  # the capacity estimator's last curve per tier (otel_hicache.capacity)
 
 
 #: In a row's ``seeds``: the pools a telemetry pre-seeds (``HiCacheTelemetry(pools=...)``; SGLang pre-seeds ``kv``).
@@ -250,7 +261,8 @@ class InstrumentSpec(NamedTuple):
     """One instrument: everything the pipeline needs to count, export and seed it.
 
     ``kind`` is what the sink creates: ``counter`` (an observable counter reading exact accumulators),
-    ``histogram``, or ``observable_up_down_counter`` (pool occupancy gauges); ``feed`` what its points are made of;
+    ``histogram``, ``observable_up_down_counter`` (pool occupancy gauges) or ``observable_gauge`` (a value that is
+    not a sum: the capacity curve); ``feed`` what its points are made of;
     ``attributes`` its closed attribute keys, in the order of a series' key; ``optional`` those a producer may leave
     out (the series then has no such attribute); ``buckets`` a histogram's boundaries; ``seeds``, per attribute, the
     values whose series are reported at 0 before anything happened (as SGLang pre-seeds its own, so ``rate()``
@@ -391,6 +403,16 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
         "Capacity of a pool in token slots, per tier.",
         (ATTR_TIER, ATTR_POOL),
         feed=Feed.POOL_LIMIT,
+    ),
+    InstrumentSpec(
+        METRIC_CAPACITY_HIT_RATIO,
+        "observable_gauge",
+        UNIT_RATIO,
+        "Predicted share of prompt tokens served by this tier or a faster one if this tier held "
+        "hicache.capacity.factor times its capacity today, the other tiers unchanged (1: the model at today's size; "
+        "inf: the ceiling, all but first-time tokens), from sampled reuse distances of the prefix lookups.",
+        (ATTR_TIER, ATTR_CAPACITY_FACTOR),
+        feed=Feed.CAPACITY,
     ),
     InstrumentSpec(
         METRIC_RECORDS_REJECTED,

@@ -23,6 +23,8 @@ What the host process pays (the scheduler thread is latency-critical, and every 
   shares checked once). Past the bound the oldest is shed and counted
   (``otel_hicache.records.rejected{problem=queue_full}``), never built on the caller's thread; a hung ``build`` delays
   only that thread.
+* :meth:`HiCacheTelemetry.capacity_feed` hands a producer the same kind of queue for its prefix lookups: the page keys
+  are computed and the capacity estimator (:mod:`otel_hicache.capacity`) runs on the host thread.
 * Nothing raises into the caller: a malformed record is refused whole with a one-time warning and counted in
   ``otel_hicache.records.rejected``; a correction (an unknown pool counted as ``other``, a bad link left out) is
   counted in ``otel_hicache.records.normalized``; a span that cannot be queued is counted in
@@ -56,6 +58,7 @@ from otel_hicache._internal.deferred import Build, DeferredQueue
 from otel_hicache._internal.validation import Rejected
 from otel_hicache._internal.validation import Site as TransferSite
 from otel_hicache._internal.worker import EngineCheck, HostWorker, PoolSource, weakly
+from otel_hicache.capacity import MAX_SAMPLED_KEYS, CapacityFeed, Keys, TierCapacity
 from otel_hicache.records import (
     DropRecord,
     EvictionRecord,
@@ -69,6 +72,7 @@ from otel_hicache.semconv import Problem, RecordKind, TimingSource, TransferOper
 
 __all__ = [
     "Build",
+    "CapacityFeed",
     "Consumer",
     "DeferredQueue",
     "EngineCheck",
@@ -76,6 +80,7 @@ __all__ = [
     "PoolSource",
     "PoolUsage",
     "SpanDelivery",
+    "TierCapacity",
     "TransferSite",
 ]
 
@@ -237,6 +242,30 @@ class HiCacheTelemetry:
         ``max_queue`` unbuilt entries; shed ones are counted. ``queue.close()`` when the producer is done. Never
         raises."""
         return self._host.new_queue(build)
+
+    def capacity_feed(
+        self,
+        page_tokens: int,
+        tiers: Iterable[TierCapacity],
+        keys: Keys | None = None,
+        *,
+        max_keys: int = MAX_SAMPLED_KEYS,
+    ) -> CapacityFeed:
+        """The process's capacity estimator (``hicache.capacity.hit_ratio``): per admitted request the producer puts
+        ``(next(feed.seq), payload, prompt_tokens)``; ``keys(payload)`` (default: the payload) gives the page keys on
+        the host thread. The contract is :mod:`otel_hicache.capacity`'s. One per telemetry (a process's cache): a new
+        one replaces the last, which is closed. ValueError for ``page_tokens < 1`` or ``tiers`` not fastest first."""
+        feed = CapacityFeed(
+            page_tokens,
+            tiers,
+            keys,
+            lambda build: self._host.new_queue(build, RecordKind.CAPACITY),
+            max_keys=max_keys,
+        )
+        previous, self._host.capacity = self._host.capacity, feed
+        if previous is not None:
+            previous.close()
+        return feed
 
     def record_failure(self, failure: TransferFailure) -> None:
         """Count a transfer that could not be issued or completed. Never raises."""

@@ -260,7 +260,12 @@ def test_the_manifest_is_a_definition_manifest_of_this_version() -> None:
 
 # --------------------------------------------------------------------------- equal to semconv.py
 #: How each semconv kind is written in the conventions (which name the synchronous instruments).
-INSTRUMENT_OF = {"counter": "counter", "histogram": "histogram", "observable_up_down_counter": "updowncounter"}
+INSTRUMENT_OF = {
+    "counter": "counter",
+    "histogram": "histogram",
+    "observable_up_down_counter": "updowncounter",
+    "observable_gauge": "gauge",
+}
 
 
 def test_every_instrument_is_a_metric_with_its_kind_unit_attributes_description_and_buckets() -> None:
@@ -283,6 +288,7 @@ VALUE_SETS: dict[str, set[str]] = {
     sc.ATTR_POOL: {*sc.POOLS, sc.OTHER_POOL},
     sc.ATTR_SLOT_STATE: {m.value for m in sc.SlotState},
     sc.ATTR_TIER: {m.value for m in sc.Tier},
+    sc.ATTR_CAPACITY_FACTOR: set(sc.CAPACITY_FACTORS),
     sc.ATTR_DROP_REASON: {m.value for m in sc.DropReason},
     sc.ATTR_PREFILL_MODE: {m.value for m in sc.PrefillMode},
     sc.ATTR_TIMING_SOURCE: {m.value for m in sc.TimingSource},

@@ -10,7 +10,7 @@ collection, and what the host counted is there to export even after the host was
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from otel_hicache import semconv as sc
@@ -20,6 +20,11 @@ Key = tuple[Any, ...]  # attribute values in the instrument's attribute order; N
 #: Gauge slots per (tier, pool): used, limit, and whether any source reported the pool in the last reading.
 GAUGE_USED, GAUGE_LIMIT, GAUGE_PRESENT = 0, 1, 2
 _GAUGE_WIDTH = 3
+#: Capacity slots per tier: whether a curve is reported, today's capacity in tokens, then the predicted hit ratio at
+#: each factor of ``semconv.CAPACITY_FACTORS``, in parts per :data:`RATIO_SCALE` (the table holds integers).
+CAPACITY_PRESENT, CAPACITY_TOKENS, CAPACITY_RATIOS = 0, 1, 2
+_CAPACITY_WIDTH = CAPACITY_RATIOS + len(sc.CAPACITY_FACTORS)
+RATIO_SCALE = 1_000_000_000
 
 
 def _domains(pools: Sequence[str]) -> dict[str, tuple[Any, ...]]:
@@ -37,6 +42,7 @@ def _domains(pools: Sequence[str]) -> dict[str, tuple[Any, ...]]:
         sc.ATTR_PROBLEM: tuple(p.value for p in sc.Problem),
         sc.ATTR_INSTRUMENT: tuple(spec.name for spec in sc.INSTRUMENTS),
         sc.ATTR_SLOT_STATE: tuple(state.value for state in sc.SlotState),
+        sc.ATTR_CAPACITY_FACTOR: sc.CAPACITY_FACTORS,
     }
 
 
@@ -74,6 +80,9 @@ class Layout:
             for i, (tier, pool) in enumerate(itertools.product(self.tiers, self.pools))
         }
         self.end = slot + len(self.gauges) * _GAUGE_WIDTH
+        # the capacity curve per tier, after everything else
+        self.capacity = {tier: self.end + i * _CAPACITY_WIDTH for i, tier in enumerate(self.tiers)}
+        self.end += len(self.capacity) * _CAPACITY_WIDTH
 
     def attributes(self, name: str, key: Key) -> dict[str, Any]:
         return {attr: value for attr, value in zip(self.specs[name].attributes, key, strict=True) if value is not None}
@@ -120,4 +129,28 @@ class Counters:
             (tier, pool, ints[base + GAUGE_USED], ints[base + GAUGE_LIMIT])
             for (tier, pool), base in self.layout.gauges.items()
             if ints[base + GAUGE_PRESENT]
+        ]
+
+    # ------------------------------------------------------------------ capacity curves
+    def set_capacity(self, curves: Mapping[str, tuple[int, Sequence[float]]]) -> None:
+        """Replace the capacity block with one complete reading: ``tier -> (tokens, ratio per factor)``."""
+        ints = self.ints
+        for tier, base in self.layout.capacity.items():
+            tokens, ratios = curves.get(tier, (0, ()))
+            ints[base + CAPACITY_TOKENS] = tokens
+            for i in range(len(sc.CAPACITY_FACTORS)):
+                ints[base + CAPACITY_RATIOS + i] = round(ratios[i] * RATIO_SCALE) if i < len(ratios) else 0
+            ints[base + CAPACITY_PRESENT] = tier in curves
+
+    def capacity(self) -> list[tuple[str, int, dict[str, float]]]:
+        """``(tier, tokens, ratio by factor)`` of every tier in the last reading."""
+        ints = self.ints
+        return [
+            (
+                tier,
+                ints[base + CAPACITY_TOKENS],
+                {f: ints[base + CAPACITY_RATIOS + i] / RATIO_SCALE for i, f in enumerate(sc.CAPACITY_FACTORS)},
+            )
+            for tier, base in self.layout.capacity.items()
+            if ints[base + CAPACITY_PRESENT]
         ]

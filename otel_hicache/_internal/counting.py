@@ -196,10 +196,15 @@ class Tally:
         for problem in refused:
             self.warn_once(RecordKind.POOL_USAGE, problem, "pool-usage source skipped")
 
-    def shed(self, n: int, why: str) -> None:
+    def capacity(self, curves: dict[str, tuple[int, list[float]]]) -> None:
+        """Replace the capacity curves with one complete reading: ``tier -> (tokens, ratio per factor)``."""
+        with self.lock:
+            self.channel.counters.set_capacity(curves)
+
+    def shed(self, n: int, why: str, kind: RecordKind = RecordKind.TRANSFER) -> None:
         """Count ``n`` deferred records that will never be built (``queue_full``)."""
-        self.add([(self._rejected_slot[RecordKind.TRANSFER, Problem.QUEUE_FULL], n)])
-        self.warn_once(RecordKind.TRANSFER, Problem.QUEUE_FULL, why)
+        self.add([(self._rejected_slot[kind, Problem.QUEUE_FULL], n)])
+        self.warn_once(kind, Problem.QUEUE_FULL, why)
 
     # ------------------------------------------------------------------ refusals
     def checked(self, kind: RecordKind, check: Callable[..., _T], *args: Any) -> _T | None:

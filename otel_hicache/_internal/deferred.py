@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from otel_hicache.records import TransferRecord
+from otel_hicache.semconv import RecordKind
 
 #: ``build(entry)``: the record of one entry (``entry[0]`` is its sequence number), or None: nothing (more) to report
 #: (a build may report through :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_at` itself).
@@ -30,13 +31,14 @@ Build = Callable[[Any], "TransferRecord | None"]
 class DeferredQueue:
     """One producer's bounded queue of entries to build (see the module docstring)."""
 
-    __slots__ = ("_entries", "_expected", "build", "closed", "put", "seq")
+    __slots__ = ("_entries", "_expected", "build", "closed", "kind", "put", "seq")
 
-    def __init__(self, build: Build, limit: int) -> None:
+    def __init__(self, build: Build, limit: int, kind: RecordKind = RecordKind.TRANSFER) -> None:
         self._entries: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=limit)
         self.put = self._entries.append  # the producer's: put((next(seq), ...))
         self.seq = itertools.count()
         self.build = build
+        self.kind = kind  # what a shed entry or a failed build is counted as
         self.closed = False  # the producer is done: dropped by the telemetry once drained
         self._expected = 0  # the sequence number the taker sees next when nothing was shed
 

@@ -66,6 +66,7 @@ class Emitter:
             sc.Feed.COUNTERS: Emitter._counted,
             sc.Feed.POOL_USAGE: Emitter._usage,
             sc.Feed.POOL_LIMIT: Emitter._limit,
+            sc.Feed.CAPACITY: Emitter._capacity,
         }
         for spec in sc.INSTRUMENTS:
             if spec.unit == sc.UNIT_TOKEN and not token_metrics:
@@ -83,6 +84,8 @@ class Emitter:
             callback = _weak_callback(self, spec.name)
             if spec.kind == "counter":
                 meter.create_observable_counter(spec.name, [callback], spec.unit, spec.description)
+            elif spec.kind == "observable_gauge":
+                meter.create_observable_gauge(spec.name, [callback], spec.unit, spec.description)
             else:
                 meter.create_observable_up_down_counter(spec.name, [callback], spec.unit, spec.description)
         #: The SDK calls the callbacks in the order the instruments were created: the first settles for all.
@@ -111,6 +114,13 @@ class Emitter:
 
     def _limit(self, name: str) -> list[Observation]:
         return [Observation(limit, {sc.ATTR_TIER: t, sc.ATTR_POOL: p}) for t, p, _, limit in self._counters.pools()]
+
+    def _capacity(self, name: str) -> list[Observation]:
+        return [
+            Observation(ratio, {sc.ATTR_TIER: tier, sc.ATTR_CAPACITY_FACTOR: factor})
+            for tier, _, ratios in self._counters.capacity()
+            for factor, ratio in ratios.items()
+        ]
 
     # ------------------------------------------------------------------ records
     def emit(self, record: Record) -> None:

@@ -34,8 +34,9 @@ from otel_hicache._internal.consumers import Consumer
 from otel_hicache._internal.counting import Tally
 from otel_hicache._internal.deferred import Build, DeferredQueue
 from otel_hicache._internal.validation import Rejected
+from otel_hicache.capacity import CapacityFeed
 from otel_hicache.records import PoolUsage, TransferRecord
-from otel_hicache.semconv import Problem, RecordKind
+from otel_hicache.semconv import CAPACITY_FACTORS, Problem, RecordKind
 
 #: How long a host thread works before pausing so the scheduler thread can take the GIL (the record in hand is
 #: finished first: a round that starts cold lasts about twice this).
@@ -91,6 +92,7 @@ class HostWorker:
         self._max_queue = max_queue
         self._interval_s = interval_s
         self.shared = shared
+        self.capacity: CapacityFeed | None = None  # the process's capacity estimator, when a producer feeds one
         self.pool_sources: list[PoolSource] = []
         self.engine_checks: list[EngineCheck] = []
         self._checking = threading.Lock()  # one run of the engine checks at a time; a check may call snapshot()
@@ -125,8 +127,8 @@ class HostWorker:
             self.start()
 
     # ------------------------------------------------------------------ what producers hand over
-    def new_queue(self, build: Build) -> DeferredQueue:
-        queue = DeferredQueue(build, self._max_queue)
+    def new_queue(self, build: Build, kind: RecordKind = RecordKind.TRANSFER) -> DeferredQueue:
+        queue = DeferredQueue(build, self._max_queue, kind)
         self.queues.append(queue)
         self.want_fast()
         return queue
@@ -201,9 +203,10 @@ class HostWorker:
         backlog = sum(len(queue) for queue in self.queues) > self._max_queue * BACKLOG_SHARE
         busy = self._build_deferred(2 * SLICE_NS if backlog else SLICE_NS)
         now = time.monotonic()
-        if (self.pool_sources or self.engine_checks) and now >= state["pools"]:
+        if (self.pool_sources or self.engine_checks or self.capacity) and now >= state["pools"]:
             state["pools"] = now + POOL_INTERVAL_S
             self.read_pools()
+            self.publish_capacity()
             self.run_engine_checks()
             busy = True
         if self.shared:  # the export process drains the ring itself
@@ -229,11 +232,11 @@ class HostWorker:
                 try:
                     shed, entry = queue.take()
                     if shed:
-                        self._tally.shed(shed, "deferred records shed")
+                        self._tally.shed(shed, "deferred records shed", queue.kind)
                     try:
                         record = queue.build(entry)
                     except Exception:
-                        self._tally.reject(RecordKind.TRANSFER, Problem.BUILD_FAILED)
+                        self._tally.reject(queue.kind, Problem.BUILD_FAILED)
                         continue
                     if record is not None:
                         self._count(record)  # not a record: refused as malformed
@@ -263,6 +266,19 @@ class HostWorker:
                 readings[(usage.tier.value, usage.pool)] = (used + usage.used, limit + usage.limit)
         self._pools_reported = bool(readings)
         self._tally.pools(readings, refused, corrections)
+
+    def publish_capacity(self) -> None:
+        """Write the capacity estimator's curve (after the pool reading: a tier's capacity may come from it)."""
+        feed = self.capacity
+        if feed is None:
+            return
+        try:
+            limits = {(tier, pool): limit for tier, pool, _, limit in self.channel.counters.pools()}
+            curves = {t: (c.tokens, [c.hit_ratio[f] for f in CAPACITY_FACTORS]) for t, c in feed.curve(limits).items()}
+        except Exception:  # the model is ours: a bug, never the host's problem
+            _log.debug("otel_hicache: reading the capacity curve failed", exc_info=True)
+            return
+        self._tally.capacity(curves)
 
     def run_engine_checks(self) -> None:
         """Run every engine check (outside the telemetry's lock) and count what they report."""
@@ -303,6 +319,7 @@ class HostWorker:
         """What an in-process collection waits for first: deferred records counted, pools read, engines checked."""
         self.settle(SETTLE_TIMEOUT_S / 2)
         self.read_pools()
+        self.publish_capacity()
         self.run_engine_checks()
 
     def tend(self, now: bool = False) -> None:
@@ -317,6 +334,7 @@ class HostWorker:
     def flush(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         settled = self.settle(timeout_s)
+        self.publish_capacity()
         self.run_engine_checks()
         if not self.started:
             self.start()
@@ -342,9 +360,10 @@ class HostWorker:
 
     def _shed_deferred(self) -> None:
         """Count every deferred record that will never be built (the host thread has stopped)."""
-        shed = sum(queue.discard() for queue in list(self.queues))
-        if shed:
-            self._tally.shed(shed, "deferred records not built before shutdown")
+        for queue in list(self.queues):
+            shed = queue.discard()
+            if shed:
+                self._tally.shed(shed, "deferred records not built before shutdown", queue.kind)
 
     # ------------------------------------------------------------------ memory
     def _new_channel(self) -> Channel:
@@ -391,6 +410,8 @@ class HostWorker:
         self._building = False
         for queue in self.queues:
             queue.discard()  # the parent's entries: built and counted by the parent
+        if self.capacity is not None:
+            self.capacity.restart()
         self.started = False
         self._next_start_attempt = 0.0
         if not self.shared:  # a private mapping: the child's own copy

@@ -45,6 +45,7 @@ from otel_hicache.cache.controller import CacheController, KvWaiter, span_links
 from otel_hicache.cache.pools import PoolGroup, PoolSpec, Value, value_slots
 from otel_hicache.cache.radix import Node, RadixTree
 from otel_hicache.cache.storage import FileStore, StorageJob
+from otel_hicache.capacity import TierCapacity
 from otel_hicache.records import (
     DropRecord,
     EvictedEntry,
@@ -152,6 +153,16 @@ class HiCache:
         self._storage_jobs: dict[int, tuple[StorageJob, Node, int]] = {}
         self._abandoned: dict[int, tuple[StorageJob, Value]] = {}  # timed-out prefetches still writing host pages
         self.stats = CacheStats()
+        # Each prefix lookup feeds the capacity estimator: the host is inclusive under the write-through family (it
+        # backs up what the device holds), exclusive under write_back (it holds what the device evicted).
+        inclusive = self.policy is not WritePolicy.WRITE_BACK
+        self.capacity = telemetry.capacity_feed(
+            ps,
+            [
+                TierCapacity(Tier.DEVICE, config.device_tokens // ps * ps),
+                TierCapacity(Tier.HOST, config.host_tokens // ps * ps, inclusive=inclusive),
+            ],
+        )
         telemetry.add_pool_usage_source(self.pool_usage)
         self._closed = False
 
@@ -178,6 +189,7 @@ class HiCache:
         full = len(tokens) // ps * ps
         key = list(tokens[:full])
         names = page_hashes(key, ps)
+        self.capacity.put((next(self.capacity.seq), names, len(tokens)))
         match = self.tree.match(key, names)
         now = time.monotonic_ns()
         for hit in match.device_nodes:
@@ -246,6 +258,7 @@ class HiCache:
         if self.store is not None:
             self.store.shutdown()
         self.telemetry.remove_pool_usage_source(self.pool_usage)
+        self.capacity.close()
 
     def pool_usage(self) -> list[PoolUsage]:
         return [*self.device.usage(), *self.host.usage()]

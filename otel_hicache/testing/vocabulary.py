@@ -31,7 +31,12 @@ TABLE_END = "<!-- end of the instrument table -->"
 WIDTH = 120
 
 #: How each semconv kind is written in the conventions (which name the synchronous instruments).
-INSTRUMENT_OF = {"counter": "counter", "histogram": "histogram", "observable_up_down_counter": "updowncounter"}
+INSTRUMENT_OF = {
+    "counter": "counter",
+    "histogram": "histogram",
+    "observable_up_down_counter": "updowncounter",
+    "observable_gauge": "gauge",
+}
 #: A group's note, by instrument.
 NOTES = {
     sc.METRIC_TRANSFER_TOKENS: "Logical: the same on every tensor-parallel rank, so one rank per TP x PP group "
@@ -41,6 +46,8 @@ NOTES = {
     "operation wrote.",
     sc.METRIC_REQUEST_KV_WAIT: "Exemplars link a point to the request's trace; the request span carries the same "
     "value as `hicache.kv_wait.<tier>`.",
+    sc.METRIC_CAPACITY_HIT_RATIO: "Reported from observable callbacks (an asynchronous gauge), about once a second, "
+    "from a fixed-size SHARDS estimator over each admitted request's prefix lookup (keys stay in the process).",
     sc.METRIC_PREFILL_TOKENS: "The hits of all tiers together are what `gen_ai.usage.cache_read.input_tokens` counts "
     "per request, and all modes together what `gen_ai.usage.input_tokens` counts.",
 }
@@ -134,6 +141,7 @@ def _text(key: str, value: str, indent: int) -> list[str]:
 def _scalar(value: str) -> str:
     """A plain YAML scalar where one reads back as the same string, else a double-quoted one."""
     plain = re.fullmatch(r"[A-Za-z0-9(][^#]*", value) and ": " not in value and not value.endswith(":")
+    plain = plain and not re.fullmatch(r"[-+.0-9eE]+", value)  # a number reads back as one, not as a string
     return value if plain else json.dumps(value)
 
 

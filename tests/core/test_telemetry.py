@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import Histogram, InMemoryMetricReader, Sum
+from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, Sum
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanContext, TraceFlags
 
@@ -18,6 +18,7 @@ from otel_hicache._internal import validation
 from otel_hicache._internal.accumulation import Layout
 from otel_hicache._internal.channel import HEADER_INTS, Channel
 from otel_hicache._internal.emitter import Emitter
+from otel_hicache.capacity import TierCapacity
 from otel_hicache.records import (
     DropRecord,
     EvictedEntry,
@@ -76,11 +77,14 @@ class TestMetricPoints:
         sdk.telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.HOST, "kv", 10, 100)])
         sdk.telemetry.record_transfer(backup(tokens={"bogus": 1}))  # normalized
         sdk.telemetry.record_transfer(backup(num_bytes=-1))  # rejected
+        feed = sdk.telemetry.capacity_feed(16, [TierCapacity(Tier.DEVICE, 64)])
+        feed.put((next(feed.seq), ["page"], 16))
         metrics = sdk.metrics()
         expected_kind = {
             "counter": Sum,
             "histogram": Histogram,
             "observable_up_down_counter": Sum,
+            "observable_gauge": Gauge,
         }
         for spec in sc.INSTRUMENTS:
             if spec.name in (sc.METRIC_RECORDS_DROPPED, sc.METRIC_ENGINE_MISMATCH):

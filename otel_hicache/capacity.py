@@ -1,0 +1,531 @@
+"""Capacity answers: each tier's hit ratio at other sizes, predicted from the live prefix lookups.
+
+The contract, for a producer (an engine adapter, the reference cache):
+
+* **Set up once**: ``feed = telemetry.capacity_feed(page_tokens, tiers, keys=...)`` - one feed per telemetry (one
+  process, one cache: a new feed replaces the last). ``tiers`` are :class:`TierCapacity` rows, fastest first (device,
+  then host, then storage), each with today's capacity in tokens and how it relates to the faster tiers:
+  ``inclusive=True`` a tier that holds what the faster ones hold (a write-through host, an L3 store fed from the host),
+  ``inclusive=False`` one that holds what they evicted (a write-back host). ``tokens=None`` takes today's capacity
+  from the last pool reading (``hicache.pool.limit`` of that tier and ``pool``, see
+  :meth:`~otel_hicache.telemetry.HiCacheTelemetry.add_pool_usage_source`); a tier whose capacity is not known yet is
+  not reported. :meth:`CapacityFeed.set_tiers` changes them later (a resized pool).
+* **Per admitted request, on the scheduler thread** (about 0.2 us, no Python frame): hand over a *reference*::
+
+      feed.put((next(feed.seq), payload, prompt_tokens))
+
+  ``payload`` must not change afterwards where it matters (a list the engine only appends to is fine: at most
+  ``prompt_tokens // page_tokens`` keys are read). ``keys(payload)`` runs later on the telemetry's host thread and
+  returns the request's page keys in prompt order, first page first: hashable values equal exactly when the prefixes
+  up to that page are equal (vLLM's block hashes; :func:`page_keys` computes a chain for engines without them, such as
+  SGLang's radix tree). The default ``keys`` is the payload itself. A bounded queue (``max_queue`` of the
+  telemetry) sheds the oldest lookups past its bound and counts them (``otel_hicache.records.rejected
+  {record.kind=capacity, problem=queue_full}``); ``keys`` that raises is counted as ``build_failed``. Never raises,
+  never waits.
+* **What leaves the process**: only ``hicache.capacity.hit_ratio`` per tier and factor (a gauge, unit ``1``) - the
+  predicted share of prompt tokens served by that tier or a faster one if it held ``factor`` times its capacity today,
+  the other tiers unchanged; factor ``inf`` is the ceiling (``1 - inf``: tokens seen for the first time). No key, token
+  id or prompt text is kept beyond a 64-bit Python hash of the key (salted per process for ``str`` and ``bytes``),
+  and none reaches a span or a metric. :meth:`CapacityFeed.curve` reads the same curve in the process.
+* **Cost**: the host thread pays a ``hash`` and a compare per page, and the model's work per *sampled* page only. The
+  memory is fixed whatever the traffic: :data:`MAX_SAMPLED_KEYS` pages at most, at most :data:`FOOTPRINT_BYTES`
+  (2 MiB) per feed - one feed serves every tier of the process - and :data:`SIMULATION_BYTES` (6 MiB) more per
+  exclusive tier. The sampling error stays within :data:`ERROR_BOUND` (2 points) of an exact LRU.
+
+The model. One stream of page accesses, each request's lookup in order, feeds a reuse-distance histogram (Mattson's
+stack algorithm: a page is a hit in an LRU cache of ``C`` pages iff fewer than ``C`` distinct pages were used since
+its last use). Sampling is fixed-size SHARDS (Waldspurger et al., FAST 2015): a page is sampled when its hash is below
+a threshold, the same pages every time (spatial sampling), its distance among sampled pages is scaled by ``1 / R``
+(``R`` the sampling rate), and once more than :data:`MAX_SAMPLED_KEYS` pages are sampled the threshold drops to the
+largest sampled hash, which leaves the set; each sample is weighed ``1 / R`` of its time. A request is a prefix
+lookup: every page's distance is read before any page of the request is touched (the lookup happens before the
+insert), then its pages are touched last page first, so a parent is always more recent than its children and the
+LRU stack evicts leaves first, as the radix tree does; the pages an LRU of any size holds are then always a set of
+whole prefixes (a page is a hit only with all its ancestors). Tokens: ``page_tokens`` per page; tokens past the last
+full page are never cached and count as misses. The ratio is SHARDS_adj's: the exact number of pages looked up is the
+denominator, and what the sample over- or under-counts is taken as hits at the shortest distance (a sample that holds
+one very popular page would otherwise overstate every hit ratio).
+
+Each tier is modelled by its policy over that one stream, at every factor ``x`` of its capacity ``C`` today, the
+faster tiers' effective size today ``E`` unchanged: the device is an LRU of ``x * C`` (the radix tree evicts its
+least recently used leaves); an inclusive tier an LRU of ``max(x * C, E)`` (it holds what the faster ones hold). An
+exclusive tier - written when the faster ones evict, keeping its copy of a page they load back, as SGLang's and the
+reference cache's ``write_back`` host does - holds less than ``E + x * C`` distinct pages, by an amount the stack
+cannot tell: it is a miniature simulation of that policy (Waldspurger et al., ATC 2017) over the pages of a smaller,
+nested fixed-size sample (:data:`MAX_SIMULATED_KEYS`), whole radix nodes moving together. Checked by re-running the
+reference cache at each size (``tests/cache/test_capacity.py``: every prediction within 3 points, 1x within 2);
+the sampling error against an exact LRU and the memory bound by ``tests/core/test_capacity.py``.
+
+    >>> from otel_hicache.capacity import CapacityModel, TierCapacity
+    >>> from otel_hicache.semconv import Tier
+    >>> model = CapacityModel(page_tokens=16)
+    >>> for _ in range(3):  # a cyclic scan of 4 one-page prompts: LRU of fewer than 4 pages never hits
+    ...     for doc in "abcd":
+    ...         model.access([doc], 16)
+    >>> curve = model.curve([TierCapacity(Tier.DEVICE, 32), TierCapacity(Tier.HOST, 32, inclusive=False)])
+    >>> curve["device"].hit_ratio["1"], curve["host"].hit_ratio["1"], curve["device"].hit_ratio["inf"]
+    (0.0, 0.6666666666666666, 0.6666666666666666)
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import math
+import threading
+from array import array
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from otel_hicache import semconv as sc
+from otel_hicache.semconv import Tier
+
+#: Sampled pages the estimator tracks at most (SHARDS' ``s_max``): the bound on its memory and on its work per page.
+MAX_SAMPLED_KEYS = 8192
+#: What the estimator holds at most, every structure counted, whatever the traffic (``tests/core/test_capacity.py``
+#: measures it over 10 million unique pages) ...
+FOOTPRINT_BYTES = 2 * 1024 * 1024
+#: ... and what the simulations of one exclusive tier add (six sizes, up to :data:`MAX_SIMULATED_KEYS` pages each in
+#: ordered dicts: about 500 bytes a page).
+SIMULATION_BYTES = 6 * 1024 * 1024
+#: The sampling error against an exact LRU on streams with a known curve (a cyclic scan, a Zipf over pages), in
+#: points of hit ratio (SHARDS reports a mean error under 1 point at this sample size).
+ERROR_BOUND = 0.02
+#: Linear histogram bins (distances below this, in pages, are kept exactly), then this many bins per octave up to
+#: 2**_OCTAVES pages: ~2 % wide, interpolated within.
+_LINEAR = 1024
+_PER_OCTAVE = 32
+_OCTAVES = 40
+_BINS = _LINEAR + _PER_OCTAVE * (_OCTAVES - _LINEAR.bit_length() + 1)
+#: A page's sampling hash is Python's hash of the 1-tuple of its key (one C call; the tuple hash mixes the bits, and an
+#: int key hashes to itself): a signed 64-bit value, sampled while below the threshold.
+_LOWEST = -(1 << 63)
+_SPACE = 1 << 64
+#: Keys the write-back simulations track at most, all of them together (a subset of the sampled pages: those whose
+#: hash is below their own, lower threshold).
+MAX_SIMULATED_KEYS = 2048
+
+Keys = Callable[[Any], Iterable[Hashable]]
+
+
+class Queue(Protocol):
+    """The bounded queue a feed hands lookups through (the telemetry's ``DeferredQueue``)."""
+
+    @property
+    def put(self) -> Callable[[tuple[Any, ...]], None]: ...
+    @property
+    def seq(self) -> Iterator[int]: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class TierCapacity:
+    """One tier as the model sees it: today's capacity in tokens (None: from the last pool reading of ``pool``) and
+    whether it holds what the faster tiers hold (``inclusive``) or what they evicted."""
+
+    tier: Tier
+    tokens: int | None
+    inclusive: bool = True
+    pool: str = sc.DEFAULT_POOL
+
+
+@dataclass(frozen=True)
+class TierCurve:
+    """A tier's capacity today (tokens) and its predicted hit ratio by factor (:data:`~otel_hicache.semconv.
+    CAPACITY_FACTORS`): the share of prompt tokens that tier or a faster one would serve at that size."""
+
+    tokens: int
+    hit_ratio: dict[str, float]
+
+
+def check_tiers(tiers: Iterable[TierCapacity]) -> tuple[TierCapacity, ...]:
+    """``tiers`` as a tuple, or ValueError: fastest first, each tier once, capacities whole and not negative."""
+    out = tuple(tiers)
+    order = list(Tier)
+    ranks = []
+    for row in out:
+        if not isinstance(row, TierCapacity) or row.tier not in order:
+            raise ValueError(f"capacity tiers: {row!r} is not a TierCapacity of a known tier")
+        if row.tokens is not None and (type(row.tokens) is not int or row.tokens < 0):
+            raise ValueError(f"capacity tiers: {row.tier.value}: tokens must be an int >= 0 or None")
+        ranks.append(order.index(Tier(row.tier)))
+    if ranks != sorted(set(ranks)):
+        raise ValueError("capacity tiers: each tier once, fastest first (device, host, storage)")
+    return out
+
+
+def page_keys(tokens: Sequence[int], page_tokens: int) -> list[int]:
+    """Keys of each full page of ``tokens`` for :meth:`CapacityFeed.put`: a chain of Python hashes (each page's key
+    hashes its parent's key with the page's ids), equal exactly when the prefixes are. Run it in ``keys``, on the host
+    thread: about 0.3 us a page."""
+    out: list[int] = []
+    key = 0
+    for start in range(0, len(tokens) - page_tokens + 1, page_tokens):
+        key = hash((key, *tokens[start : start + page_tokens]))
+        out.append(key)
+    return out
+
+
+class CapacityModel:
+    """The fixed-size SHARDS estimator of one page-access stream and the tier models over it (see the module
+    docstring). Not thread-safe: a :class:`CapacityFeed` serializes it."""
+
+    def __init__(self, page_tokens: int, max_keys: int = MAX_SAMPLED_KEYS) -> None:
+        if page_tokens < 1 or max_keys < 1:
+            raise ValueError("page_tokens and max_keys must be >= 1")
+        self.page_tokens = page_tokens
+        self.max_keys = max_keys
+        self.threshold = -_LOWEST  # a page is sampled iff its hash is below: R = (threshold - _LOWEST) / _SPACE
+        self.sim_threshold = self.threshold  # ... and simulated iff below this one
+        self._simulated: set[int] = set()
+        self._sim_by_hash: list[int] = []  # -hash of each simulated page
+        self._last: dict[int, int] = {}  # sampled page -> the clock of its last use
+        self._by_hash: list[int] = []  # -hash of each sampled page: the largest leaves first when the rate drops
+        self._size = 4 * max_keys  # clock values before the stack is renumbered
+        self._tree = array("i", bytes(4 * (self._size + 1)))  # Fenwick tree: 1 at the clock of each page's last use
+        self._clock = 0
+        self._hist = array("d", bytes(8 * _BINS))  # sample weight by scaled distance (pages)
+        self.cold = 0.0  # sample weight of first uses
+        self.sampled = 0.0  # sample weight of all sampled uses
+        self._sims: dict[tuple[int, int], _WriteBack] = {}  # exclusive tiers: (faster pages, pages) -> sim
+        self.prompt_tokens = 0  # exact: every token of every lookup
+        self.paged_tokens = 0  # exact: the tokens of the full pages looked up
+
+    # ------------------------------------------------------------------ the stream
+    @property
+    def sampled_keys(self) -> int:
+        """Pages the sample tracks now (at most ``max_keys``)."""
+        return len(self._last)
+
+    def access(self, keys: Iterable[Hashable], prompt_tokens: int) -> None:
+        """One request's prefix lookup: its page keys, first page first, and its prompt's length in tokens."""
+        looked = list(itertools.islice(keys, prompt_tokens // self.page_tokens))
+        threshold = self.threshold
+        sampled = [h for h in map(hash, zip(looked)) if h < threshold]
+        self.prompt_tokens += prompt_tokens
+        self.paged_tokens += len(looked) * self.page_tokens
+        if not sampled:
+            return
+        self._lookup(sampled)
+        if self._sims:
+            self._simulate(sampled)
+        self._touch(sampled)
+
+    def _simulate(self, sampled: list[int]) -> None:
+        """Run the write-back simulations on the pages below their threshold (a fixed-size sample of their own)."""
+        simulated, by_hash = self._simulated, self._sim_by_hash
+        pages = [h for h in sampled if h < self.sim_threshold]
+        for h in pages:
+            if h not in simulated:
+                simulated.add(h)
+                heapq.heappush(by_hash, -h)
+        while len(simulated) > MAX_SIMULATED_KEYS:
+            self.sim_threshold = -by_hash[0]
+            self._unsimulate(self.sim_threshold)
+        pages = [h for h in pages if h < self.sim_threshold]
+        if pages:
+            rate = (self.sim_threshold - _LOWEST) / _SPACE
+            for sim in self._sims.values():
+                sim.access(pages, rate)
+
+    def _unsimulate(self, h: int) -> None:
+        """``h``, the simulated page of largest hash, leaves the simulations."""
+        if self._sim_by_hash and self._sim_by_hash[0] == -h:
+            heapq.heappop(self._sim_by_hash)
+        self._simulated.discard(h)
+        for sim in self._sims.values():
+            sim.forget(h)
+
+    def _lookup(self, sampled: list[int]) -> None:
+        """Each sampled page's distance before the request touches any (the lookup precedes the insert)."""
+        weight = _SPACE / (self.threshold - _LOWEST)
+        last, hist, live = self._last, self._hist, len(self._last)
+        for h in sampled:
+            self.sampled += weight
+            used = last.get(h)
+            if used is None:
+                self.cold += weight
+                continue
+            hist[_bin((live - self._prefix(used)) * weight)] += weight
+
+    def _touch(self, sampled: list[int]) -> None:
+        """Last page first: a parent ends up more recent than its children."""
+        last = self._last
+        for h in reversed(sampled):
+            if h >= self.threshold:  # left the sample while this request was touched
+                continue
+            if self._clock >= self._size:
+                self._renumber()
+            self._clock += 1
+            used = last.get(h)
+            if used is not None:
+                self._add(used, -1)
+            last[h] = self._clock
+            self._add(self._clock, 1)
+            if used is None:
+                heapq.heappush(self._by_hash, -h)
+                if len(last) > self.max_keys:
+                    self._lower()
+
+    def _lower(self) -> None:
+        """Drop the sampled page of largest hash; sample below it from now on (fixed-size SHARDS)."""
+        h = -heapq.heappop(self._by_hash)
+        self._add(self._last.pop(h), -1)
+        self.threshold = h
+        if h < self.sim_threshold:  # the simulations sample a subset of these pages
+            self.sim_threshold = h
+            self._unsimulate(h)
+
+    # ------------------------------------------------------------------ the stack (a Fenwick tree over clock values)
+    def _add(self, at: int, n: int) -> None:
+        tree, size = self._tree, self._size
+        while at <= size:
+            tree[at] += n
+            at += at & -at
+
+    def _prefix(self, at: int) -> int:
+        """Sampled pages last used at or before clock ``at``."""
+        tree, total = self._tree, 0
+        while at:
+            total += tree[at]
+            at &= at - 1
+        return total
+
+    def _renumber(self) -> None:
+        """Clock values 1..n in the same order: the stack fits the tree again."""
+        order = sorted(self._last, key=self._last.__getitem__)
+        self._tree = array("i", bytes(4 * (self._size + 1)))
+        for clock, h in enumerate(order, 1):
+            self._last[h] = clock
+            self._add(clock, 1)
+        self._clock = len(order)
+
+    # ------------------------------------------------------------------ the curve
+    def hit_ratio(self, pages: float) -> float:
+        """Predicted share of prompt tokens an LRU of ``pages`` pages serves (``math.inf``: the ceiling)."""
+        return self._share(self.sampled - self.cold if math.isinf(pages) else self._below(pages), self.sampled)
+
+    def _below(self, pages: float) -> float:
+        """Sample weight of distances below ``pages`` (interpolated within the bin that holds it)."""
+        full = _bin(pages)
+        lo, hi = _edges(full)
+        partial = self._hist[full] * (pages - lo) / (hi - lo) if full < _BINS - 1 else self._hist[full]
+        return math.fsum(self._hist[:full]) + partial
+
+    def curve(self, tiers: Sequence[TierCapacity], limits: Mapping[tuple[str, str], int] = {}) -> dict[str, TierCurve]:
+        """The predicted ratio of each tier whose capacity is known (``tokens``, else ``limits[(tier, pool)]``) at
+        every factor, the faster tiers at their size today."""
+        out: dict[str, TierCurve] = {}
+        ceiling = self.hit_ratio(math.inf)
+        for row, tokens, faster in _sizes(tiers, limits, self.page_tokens):
+            pages = tokens / self.page_tokens
+            ratios = {}
+            for name, factor in sc.CAPACITY_FACTOR_VALUES.items():
+                if math.isinf(factor):
+                    ratios[name] = ceiling
+                    continue
+                size = math.floor(factor * pages)
+                sim = None if row.inclusive else self._sims.get((faster, size))
+                if sim is not None:  # its own sample: never above the ceiling of the larger one
+                    ratios[name] = min(self._share(sim.hits, sim.sampled), ceiling)
+                else:  # inclusive, or an exclusive tier not simulated yet (as if it held no copy of the faster's)
+                    ratios[name] = self.hit_ratio(max(size, faster) if row.inclusive else faster + size)
+            out[Tier(row.tier).value] = TierCurve(tokens, ratios)
+        return out
+
+    def simulate(self, tiers: Sequence[TierCapacity], limits: Mapping[tuple[str, str], int] = {}) -> None:
+        """Keep a miniature simulation for every size of every exclusive tier the curve reports (new ones start
+        empty; those no longer needed go)."""
+        wanted = {
+            (faster, math.floor(factor * tokens / self.page_tokens))
+            for row, tokens, faster in _sizes(tiers, limits, self.page_tokens)
+            if not row.inclusive
+            for factor in sc.CAPACITY_FACTOR_VALUES.values()
+            if not math.isinf(factor)
+        }
+        self._sims = {size: self._sims.get(size) or _WriteBack(*size) for size in wanted}
+        if not self._sims:
+            self._simulated.clear()
+            self._sim_by_hash.clear()
+
+    def _share(self, hits: float, sampled: float) -> float:
+        """Share of prompt tokens from the sample weight of hits and of all pages looked up, SHARDS_adj: the sample
+        holds more (or fewer) page uses than there were when it happens to hold a page used very often (or seldom),
+        and the difference is counted as (or taken from) hits at the shortest distance."""
+        pages = self.paged_tokens / self.page_tokens  # exact
+        if not sampled or not pages:
+            return 0.0
+        return min(max(hits + pages - sampled, 0.0) / pages, 1.0) * self.paged_tokens / self.prompt_tokens
+
+
+def _sizes(
+    tiers: Sequence[TierCapacity], limits: Mapping[tuple[str, str], int], page_tokens: int
+) -> Iterator[tuple[TierCapacity, int, int]]:
+    """Each tier whose capacity is known, its tokens, and the faster tiers' effective size today in pages (a tier of
+    unknown size ends the list: the slower ones' sizes depend on it)."""
+    faster = 0
+    for row in tiers:
+        tokens = row.tokens if row.tokens is not None else limits.get((Tier(row.tier).value, row.pool))
+        if tokens is None:
+            return
+        yield row, tokens, faster
+        pages = tokens // page_tokens
+        faster = max(pages, faster) if row.inclusive else faster + pages
+
+
+def _bin(distance: float) -> int:
+    if distance < _LINEAR:
+        return int(distance)
+    return min(_LINEAR + int(_PER_OCTAVE * math.log2(distance / _LINEAR)), _BINS - 1)
+
+
+def _edges(index: int) -> tuple[float, float]:
+    if index < _LINEAR:
+        return float(index), float(index + 1)
+    octave = (index - _LINEAR) / _PER_OCTAVE
+    return _LINEAR * 2.0**octave, _LINEAR * 2.0 ** (octave + 1 / _PER_OCTAVE)
+
+
+class _WriteBack:
+    """A miniature simulation (Waldspurger et al., ATC 2017: the real policy on the sampled pages, sizes scaled by
+    the sampling rate) of a tier that takes what the faster ones evict and keeps its copy of a page they load back
+    until the page leaves them again, SGLang's and the reference cache's ``write_back`` host: its copies of pages the
+    faster tiers hold cannot be evicted and take room, so it holds fewer than ``faster + pages`` distinct pages.
+
+    Like a radix tree it moves whole nodes: the pages one request inserted together, split where a later lookup
+    stops inside them. ``hits``: sample weight of pages served by it or a faster tier (an LRU of ``faster`` pages)."""
+
+    __slots__ = ("_faster", "_nodes", "_pages", "_serial", "hits", "lower", "node", "sampled", "upper")
+
+    def __init__(self, faster: int, pages: int) -> None:
+        self._faster, self._pages = faster, pages
+        self.upper: collections.OrderedDict[int, None] = collections.OrderedDict()  # the faster tiers, LRU first
+        self.lower: collections.OrderedDict[int, None] = collections.OrderedDict()  # this tier, LRU first
+        self.node: dict[int, int] = {}  # page (in either) -> its node
+        self._nodes: dict[int, list[int]] = {}  # node -> its pages in either (a few: lists are smaller than sets)
+        self._serial = itertools.count()
+        self.hits = 0.0
+        self.sampled = 0.0  # sample weight of every page looked up
+
+    def access(self, sampled: list[int], rate: float) -> None:
+        upper, lower, node = self.upper, self.lower, self.node
+        weight = 1 / rate
+        self.hits += weight * sum(1 for h in sampled if h in node)  # the lookup, before any insert
+        self.sampled += weight * len(sampled)
+        renamed: dict[int | None, int] = {}  # a lookup that ends inside a node splits it: its part gets a new one
+        for h in sampled:
+            old = node.get(h)
+            new = renamed.get(old)
+            if new is None:
+                new = renamed[old] = next(self._serial)
+            if old is not None:
+                self._nodes[old].remove(h)
+            node[h] = new
+            self._nodes.setdefault(new, []).append(h)
+        for old in renamed:
+            if old is not None and not self._nodes[old]:
+                del self._nodes[old]
+        for h in reversed(sampled):
+            if h in lower:
+                lower.move_to_end(h)  # loaded back: its copy stays
+            upper[h] = None
+            upper.move_to_end(h)
+        upper_size, lower_size = round(self._faster * rate), round(self._pages * rate)
+        while len(upper) > upper_size:
+            self._demote(node[next(iter(upper))], lower_size)
+
+    def _demote(self, evicted: int, lower_size: int) -> None:
+        """The faster tiers evict node ``evicted``: its pages without a copy are written here, room made by evicting
+        whole nodes the faster tiers do not hold; a write that finds no room is dropped."""
+        upper, lower = self.upper, self.lower
+        pages = [h for h in self._nodes[evicted] if h in upper]
+        for h in pages:
+            del upper[h]
+        written = {h for h in pages if h not in lower}
+        for h in written:
+            lower[h] = None
+        while len(lower) > lower_size:
+            victim = next((v for v in lower if v not in upper and v not in written), None)
+            if victim is None:  # every copy is held above too, or was just written: the write-back is dropped
+                for h in written:
+                    del lower[h]
+                    self._leave(h)
+                return
+            for h in [h for h in self._nodes[self.node[victim]] if h in lower and h not in upper and h not in written]:
+                del lower[h]
+                self._leave(h)
+
+    def _leave(self, h: int) -> None:
+        """``h`` is in neither tier any more."""
+        owner = self.node.pop(h)
+        members = self._nodes[owner]
+        members.remove(h)
+        if not members:
+            del self._nodes[owner]
+
+    def forget(self, h: int) -> None:
+        """``h`` left the sample."""
+        self.upper.pop(h, None)
+        self.lower.pop(h, None)
+        if h in self.node:
+            self._leave(h)
+
+
+class CapacityFeed:
+    """A producer's handle on the estimator (see the module docstring): ``put`` and ``seq`` are the bounded queue's
+    (``put((next(seq), payload, prompt_tokens))``), drained on the telemetry's host thread."""
+
+    def __init__(
+        self,
+        page_tokens: int,
+        tiers: Iterable[TierCapacity],
+        keys: Keys | None,
+        queue: Callable[[Callable[[tuple[Any, ...]], None]], Queue],
+        *,
+        max_keys: int = MAX_SAMPLED_KEYS,
+    ) -> None:
+        self._model = CapacityModel(page_tokens, max_keys)
+        self._tiers = check_tiers(tiers)
+        self._keys = keys
+        self._lock = threading.Lock()  # the host thread feeds the model; curve() reads it from any thread
+        self._limits: Mapping[tuple[str, str], int] = {}
+        self._model.simulate(self._tiers)
+        self._queue = queue(self.build)  # the telemetry's bounded queue, built with build() on its host thread
+        self.put = self._queue.put
+        self.seq = self._queue.seq
+
+    def set_tiers(self, tiers: Iterable[TierCapacity]) -> None:
+        """Today's capacities from now on (a resized pool). ValueError for rows that are not fastest first."""
+        checked = check_tiers(tiers)
+        with self._lock:
+            self._tiers = checked
+            self._model.simulate(checked, self._limits)
+
+    def curve(self, limits: Mapping[tuple[str, str], int] | None = None) -> dict[str, TierCurve]:
+        """Each tier's predicted ratios now (what the gauge reports); ``limits``: the pool reading by ``(tier, pool)``
+        that sizes the tiers given as ``tokens=None`` (None: the last one given). Lookups still queued are not in it:
+        read :meth:`~otel_hicache.telemetry.HiCacheTelemetry.snapshot` first, which waits for them."""
+        with self._lock:
+            if limits is not None and limits != self._limits:  # sizes from a new reading: simulated from now on
+                self._limits = dict(limits)
+                self._model.simulate(self._tiers, self._limits)
+            return self._model.curve(self._tiers, self._limits)
+
+    def close(self) -> None:
+        """The producer is done: the gauge keeps its last values; the queue goes once drained."""
+        self._queue.close()
+
+    def restart(self) -> None:
+        """Start from zero (a forked child, which counts as a process of its own)."""
+        self._lock = threading.Lock()
+        self._model = CapacityModel(self._model.page_tokens, self._model.max_keys)
+        self._model.simulate(self._tiers, self._limits)
+
+    def build(self, entry: tuple[Any, ...]) -> None:
+        """The host thread's: feed one queued lookup ``(seq, payload, prompt_tokens)`` to the model."""
+        _, payload, prompt_tokens = entry
+        keys = payload if self._keys is None else self._keys(payload)
+        with self._lock:
+            self._model.access(keys, int(prompt_tokens))

@@ -1,0 +1,306 @@
+"""The capacity estimator: exact LRU over prefix lookups while every page is sampled, each tier's policy as an LRU of
+its effective size, and a producer's feed through the telemetry into ``hicache.capacity.hit_ratio``."""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import gc
+import itertools
+import math
+import random
+import sys
+import threading
+import types
+from collections.abc import Hashable, Sequence
+
+import pytest
+
+from otel_hicache import semconv as sc
+from otel_hicache.capacity import (
+    ERROR_BOUND,
+    FOOTPRINT_BYTES,
+    MAX_SAMPLED_KEYS,
+    SIMULATION_BYTES,
+    CapacityModel,
+    TierCapacity,
+    page_keys,
+)
+from otel_hicache.records import PoolUsage
+from otel_hicache.sdk import configure
+from otel_hicache.semconv import Problem, RecordKind, Tier
+from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
+from otel_hicache.testing.sdk import Sdk, make_sdk
+
+PAGE = 16
+Lookup = tuple[Sequence[Hashable], int]
+
+
+def exact_lru(lookups: Sequence[Lookup], pages: int) -> float:
+    """Share of prompt tokens an LRU cache of ``pages`` pages serves: the hit is the longest cached prefix, then the
+    request's pages are cached (evicting the least recently used)."""
+    lru: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+    hits = total = 0
+    for keys, tokens in lookups:
+        total += tokens
+        for key in keys:
+            if key not in lru:
+                break
+            hits += PAGE
+        for key in reversed(keys):
+            lru[key] = None
+            lru.move_to_end(key)
+        while len(lru) > pages:
+            lru.popitem(last=False)
+    return hits / total
+
+
+def documents_workload(seed: int, requests: int, documents: int) -> list[Lookup]:
+    """Prefixes of documents of 2-30 pages, a Zipf-like popularity, and a partial last page now and then."""
+    rng = random.Random(seed)
+    tokens = [[rng.randrange(50_000) for _ in range(PAGE * rng.randint(2, 30))] for _ in range(documents)]
+    out: list[Lookup] = []
+    for _ in range(requests):
+        doc = tokens[min(int(rng.paretovariate(1.0)) - 1, documents - 1)]
+        prompt = doc[: rng.randint(1, len(doc))]
+        out.append((page_keys(prompt, PAGE), len(prompt)))
+    return out
+
+
+def cyclic(pages: int, rounds: int) -> list[Lookup]:
+    """One-page prompts in a loop: LRU of fewer pages than the loop never hits, one of as many always does."""
+    return [([page], PAGE) for _ in range(rounds) for page in range(pages)]
+
+
+def model_of(lookups: Sequence[Lookup], **kwargs: int) -> CapacityModel:
+    model = CapacityModel(PAGE, **kwargs)
+    for keys, tokens in lookups:
+        model.access(keys, tokens)
+    return model
+
+
+class TestTheModel:
+    def test_while_every_page_is_sampled_the_curve_is_exact_lru_over_prefixes(self) -> None:
+        lookups = documents_workload(seed=1, requests=3000, documents=60)
+        model = model_of(lookups)
+        assert model.threshold == 1 << 63  # every page sampled
+        for pages in (1, 5, 20, 50, 100, 200, 400, 800, 2000):
+            assert model.hit_ratio(pages) == pytest.approx(exact_lru(lookups, pages), abs=1e-9), pages
+
+    def test_the_ceiling_is_every_token_but_first_uses_and_partial_pages(self) -> None:
+        lookups = [([1, 2], 40), ([1, 2], 40), ([1, 3], 32)]  # 8 tokens of each of the first two: no full page
+        model = model_of(lookups)
+        assert model.hit_ratio(float("inf")) == pytest.approx((32 + 16) / 112)
+        assert model.hit_ratio(1) == pytest.approx(32 / 112)  # one page: the first page, most recent by design
+
+    def test_a_lookup_reads_at_most_its_prompts_full_pages_of_keys(self) -> None:
+        growing = list(range(100))  # an engine's list of block hashes that grows while the request decodes
+        model = model_of([(growing, 3 * PAGE), (growing, 3 * PAGE)])
+        assert model.paged_tokens == 6 * PAGE
+        assert model.hit_ratio(float("inf")) == pytest.approx(0.5)
+
+    def test_each_tier_is_an_lru_of_its_effective_size(self) -> None:
+        # a loop of 12 pages hits in an LRU of >= 12 pages only: each factor shows which effective size is >= 12
+        model = model_of(cyclic(pages=12, rounds=4))
+        reuse = model.hit_ratio(float("inf"))
+        assert reuse == pytest.approx(0.75)
+
+        def hits(tiers: list[TierCapacity]) -> dict[str, dict[str, float]]:
+            return {tier: curve.hit_ratio for tier, curve in model.curve(tiers).items()}
+
+        device = TierCapacity(Tier.DEVICE, 6 * PAGE)
+        inclusive = hits([device, TierCapacity(Tier.HOST, 6 * PAGE)])
+        assert inclusive["device"] == dict.fromkeys(sc.CAPACITY_FACTORS, reuse) | {"0.25": 0, "0.5": 0, "1": 0}
+        # inclusive: max(x * 6, 6) >= 12 from 2x on
+        assert inclusive["host"] == dict.fromkeys(sc.CAPACITY_FACTORS, reuse) | {"0.25": 0, "0.5": 0, "1": 0}
+        # exclusive: 6 + x * 6 >= 12 from 1x on
+        exclusive = hits([device, TierCapacity(Tier.HOST, 6 * PAGE, inclusive=False)])
+        assert exclusive["host"] == dict.fromkeys(sc.CAPACITY_FACTORS, reuse) | {"0.25": 0, "0.5": 0}
+        # storage behind an exclusive host: max(x * 8, 6 + 6) >= 12 at every factor
+        three = hits([device, TierCapacity(Tier.HOST, 6 * PAGE, False), TierCapacity(Tier.STORAGE, 8 * PAGE)])
+        assert three["storage"] == dict.fromkeys(sc.CAPACITY_FACTORS, reuse)
+        assert model.curve([device])["device"].tokens == 6 * PAGE
+
+    def test_a_tier_of_unknown_size_and_those_behind_it_are_left_out(self) -> None:
+        model = model_of(cyclic(pages=4, rounds=2))
+        tiers = [TierCapacity(Tier.DEVICE, 64), TierCapacity(Tier.HOST, None), TierCapacity(Tier.STORAGE, 1 << 20)]
+        assert set(model.curve(tiers)) == {"device"}
+        assert set(model.curve(tiers, {("host", "kv"): 128})) == {"device", "host", "storage"}
+
+    @pytest.mark.parametrize(
+        "tiers",
+        [
+            [TierCapacity(Tier.HOST, 8), TierCapacity(Tier.DEVICE, 8)],  # not fastest first
+            [TierCapacity(Tier.DEVICE, 8), TierCapacity(Tier.DEVICE, 8)],
+            [TierCapacity(Tier.DEVICE, -1)],
+            [TierCapacity(Tier.DEVICE, 1.5)],  # type: ignore[arg-type]
+            [("device", 8)],
+        ],
+    )
+    def test_tiers_that_are_not_fastest_first_with_whole_sizes_are_refused_at_setup(self, tiers: list[object]) -> None:
+        sdk = make_sdk()
+        try:
+            with pytest.raises(ValueError):
+                sdk.telemetry.capacity_feed(PAGE, tiers)  # type: ignore[arg-type]
+        finally:
+            sdk.shutdown()
+
+
+class TestTheFeed:
+    TIERS = (TierCapacity(Tier.DEVICE, 4 * PAGE), TierCapacity(Tier.HOST, 8 * PAGE, inclusive=False))
+
+    def test_lookups_put_on_the_queue_become_the_gauge_per_tier_and_factor(self, sdk: Sdk) -> None:
+        tokens = [random.Random(3).randrange(1000) for _ in range(8 * PAGE + 5)]  # 8 pages and a partial one
+        tiers = [TierCapacity(Tier.DEVICE, 4 * PAGE), TierCapacity(Tier.HOST, 6 * PAGE)]
+        feed = sdk.telemetry.capacity_feed(PAGE, tiers, keys=lambda ids: page_keys(ids, PAGE))
+        for _ in range(3):
+            feed.put((next(feed.seq), tokens, len(tokens)))
+        points = sdk.points(sc.METRIC_CAPACITY_HIT_RATIO)
+        assert {frozenset(dict(k)) for k in points} == {frozenset({sc.ATTR_TIER, sc.ATTR_CAPACITY_FACTOR})}
+        got = {(dict(k)[sc.ATTR_TIER], dict(k)[sc.ATTR_CAPACITY_FACTOR]): p.value for k, p in points.items()}
+        reused = 2 * 8 * PAGE / (3 * len(tokens))  # the 8 pages of the 2nd and 3rd request
+        # the device holds 4 of the 8 pages (and the prefix rule keeps the first 4 at 1x), at 2x all 8
+        assert got[("device", "1")] == pytest.approx(reused / 2, abs=1e-9)
+        assert got[("device", "2")] == pytest.approx(reused, abs=1e-9)
+        assert got[("host", "0.25")] == pytest.approx(reused / 2, abs=1e-9)  # inclusive: what the device holds
+        assert got[("host", "1")] == pytest.approx(reused * 6 / 8, abs=1e-9)
+        assert got[("host", "inf")] == pytest.approx(reused, abs=1e-9)
+        assert feed.curve()["host"].hit_ratio["0.25"] == pytest.approx(got[("host", "0.25")], abs=1e-9)
+        assert sdk.metrics()[sc.METRIC_CAPACITY_HIT_RATIO].unit == "1"
+
+    def test_no_key_or_token_id_reaches_a_metric_or_span(self, sdk: Sdk) -> None:
+        feed = sdk.telemetry.capacity_feed(PAGE, self.TIERS)
+        secret = "page-of-a-secret-prompt"
+        feed.put((next(feed.seq), [secret], PAGE))
+        feed.put((next(feed.seq), [secret], PAGE))
+        exported = repr(sdk.metrics()) + repr(sdk.spans())
+        assert sc.METRIC_CAPACITY_HIT_RATIO in exported and secret not in exported
+
+    def test_capacity_from_the_pool_reading_when_the_producer_gives_none(self, sdk: Sdk) -> None:
+        sdk.telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.DEVICE, "kv", 0, 2 * PAGE)])
+        feed = sdk.telemetry.capacity_feed(PAGE, [TierCapacity(Tier.DEVICE, None)])
+        for keys in ([1], [2], [1], [2]):
+            feed.put((next(feed.seq), keys, PAGE))
+        today = {sc.ATTR_TIER: "device", sc.ATTR_CAPACITY_FACTOR: "1"}
+        assert sdk.value(sc.METRIC_CAPACITY_HIT_RATIO, today) == 0.5
+        assert feed.curve({("device", "kv"): 2 * PAGE})["device"].tokens == 2 * PAGE
+
+    def test_no_gauge_before_a_lookup_or_without_a_known_capacity(self, sdk: Sdk) -> None:
+        sdk.telemetry.capacity_feed(PAGE, [TierCapacity(Tier.DEVICE, None)])
+        assert sdk.points(sc.METRIC_CAPACITY_HIT_RATIO) == {}
+
+    def test_one_feed_per_telemetry_the_last_replaces_the_one_before(self, sdk: Sdk) -> None:
+        first = sdk.telemetry.capacity_feed(PAGE, self.TIERS)
+        for _ in range(2):
+            first.put((next(first.seq), [1], PAGE))
+        second = sdk.telemetry.capacity_feed(PAGE, [TierCapacity(Tier.DEVICE, PAGE)])
+        for _ in range(4):
+            second.put((next(second.seq), [2], PAGE))
+        points = sdk.points(sc.METRIC_CAPACITY_HIT_RATIO)
+        assert {dict(k)[sc.ATTR_TIER] for k in points} == {"device"}
+        assert sdk.value(sc.METRIC_CAPACITY_HIT_RATIO, {sc.ATTR_TIER: "device", sc.ATTR_CAPACITY_FACTOR: "1"}) == 0.75
+
+    def test_a_full_queue_sheds_the_oldest_lookups_and_counts_them_never_blocking(self) -> None:
+        sdk = make_sdk(max_queue=4)
+        gate = threading.Event()
+        try:
+            feed = sdk.telemetry.capacity_feed(PAGE, self.TIERS, keys=lambda keys: (gate.wait(5), keys)[1])
+            for _ in range(10):  # the host thread waits in the first build: the rest queue past the bound
+                feed.put((next(feed.seq), [1], PAGE))
+            gate.set()
+            rejected = sdk.telemetry.snapshot()[sc.METRIC_RECORDS_REJECTED]
+            shed = rejected[(RecordKind.CAPACITY.value, Problem.QUEUE_FULL.value)]
+            assert 5 <= shed <= 6  # at most 4 queued (one may have been taken before the others were put)
+            assert not [key for key in rejected if key[0] == RecordKind.TRANSFER.value]
+        finally:
+            gate.set()
+            sdk.shutdown()
+
+    def test_keys_that_raise_are_counted_and_the_feed_goes_on(self, sdk: Sdk) -> None:
+        feed = sdk.telemetry.capacity_feed(PAGE, self.TIERS, keys=lambda keys: [k / 1 for k in keys])
+        feed.put((next(feed.seq), ["not a number"], PAGE))
+        feed.put((next(feed.seq), [1], PAGE))
+        feed.put((next(feed.seq), [1], PAGE))
+        rejected = sdk.telemetry.snapshot()[sc.METRIC_RECORDS_REJECTED]
+        assert rejected[(RecordKind.CAPACITY.value, Problem.BUILD_FAILED.value)] == 1
+        assert feed.curve()["device"].hit_ratio["1"] == 0.5
+
+
+def footprint(root: object) -> int:
+    """Bytes of every object reachable from ``root`` (classes, modules and functions aside), each counted once."""
+    seen: set[int] = set()
+    stack, total = [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+class TestTheBound:
+    def test_ten_million_unique_pages_keep_the_estimator_within_its_footprint(self) -> None:
+        model = CapacityModel(PAGE)  # with the simulations of an exclusive tier, the larger footprint
+        model.simulate([TierCapacity(Tier.DEVICE, 1 << 24), TierCapacity(Tier.HOST, 1 << 26, inclusive=False)])
+        pages, largest = 256, 0  # 4,096-token prompts, no page ever seen twice
+        for lookup in range(10_000_000 // pages):
+            model.access(range(lookup * pages, (lookup + 1) * pages), pages * PAGE)
+            if lookup % 3000 == 0:
+                largest = max(largest, footprint(model))
+        assert model.sampled_keys == MAX_SAMPLED_KEYS and model.threshold < 0  # sampling well below half the pages
+        assert largest <= FOOTPRINT_BYTES + SIMULATION_BYTES
+        assert footprint(model) - footprint(model._sims) <= FOOTPRINT_BYTES  # the stack model alone
+        assert model.hit_ratio(math.inf) == pytest.approx(0.0, abs=0.001)  # nothing reused: all cold
+
+    def test_a_cyclic_scan_larger_than_the_sample_is_a_step_at_its_length(self) -> None:
+        documents, pages, rounds = 2500, 16, 3  # 40,000 distinct pages, ~5x the sample
+        lookups = [
+            ([d * pages + p for p in range(pages)], pages * PAGE) for _ in range(rounds) for d in range(documents)
+        ]
+        model = model_of(lookups)
+        assert model.sampled_keys == MAX_SAMPLED_KEYS
+        loop = documents * pages
+        assert model.hit_ratio(0.9 * loop) <= ERROR_BOUND  # LRU: nothing survives a loop longer than the cache
+        assert model.hit_ratio(1.1 * loop) == pytest.approx((rounds - 1) / rounds, abs=ERROR_BOUND)
+        assert model.hit_ratio(math.inf) == pytest.approx((rounds - 1) / rounds, abs=ERROR_BOUND)
+
+    def test_a_zipf_over_pages_is_within_the_bound_of_an_exact_lru(self) -> None:
+        rng = random.Random(5)
+        weights = list(itertools.accumulate(1 / (rank + 1) ** 0.9 for rank in range(100_000)))
+        lookups: list[Lookup] = [([bisect.bisect(weights, rng.random() * weights[-1])], PAGE) for _ in range(400_000)]
+        model = model_of(lookups)
+        assert model.sampled_keys == MAX_SAMPLED_KEYS  # sampling at ~10 %: the popular pages matter most
+        for pages in (1_000, 10_000, 50_000):
+            assert model.hit_ratio(pages) == pytest.approx(exact_lru(lookups, pages), abs=ERROR_BOUND), pages
+
+
+def test_the_export_process_exports_the_curve_over_otlp_from_the_shared_table() -> None:
+    """Over OTLP the curve leaves from the export process, which reads the capacity block of the shared table."""
+    with OtlpReceiver() as rx:
+        setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
+        try:
+            feed = setup.telemetry.capacity_feed(PAGE, [TierCapacity(Tier.DEVICE, 2 * PAGE)])
+            for keys in ([1], [2], [1], [2]):
+                feed.put((next(feed.seq), keys, PAGE))
+            setup.force_flush()
+
+            def today() -> float | None:
+                metric = rx.latest_metric(sc.METRIC_CAPACITY_HIT_RATIO)
+                points = (
+                    {}
+                    if metric is None
+                    else {
+                        attributes(p.attributes)[sc.ATTR_CAPACITY_FACTOR]: p.as_double for p in metric.gauge.data_points
+                    }
+                )
+                return points.get("1")
+
+            assert rx.wait_for(lambda: today() == 0.5, timeout_s=20), today()
+            metric = rx.latest_metric(sc.METRIC_CAPACITY_HIT_RATIO)
+            assert metric is not None and metric.unit == "1"
+            assert {attributes(p.attributes)[sc.ATTR_TIER] for p in metric.gauge.data_points} == {"device"}
+            assert setup.telemetry.export_pid is not None  # exported from another process
+        finally:
+            setup.shutdown()
