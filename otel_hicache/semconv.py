@@ -119,6 +119,7 @@ class Problem(_StrEnum):
     BAD_DURATION = "bad_duration"
     END_BEFORE_START = "end_before_start"
     ENTRIES_EXCEED_TOTAL = "entries_exceed_total"  # an eviction's entries hold more tokens than the pass freed
+    TOO_MANY_ENTRIES = "too_many_entries"  # an eviction record details more entries than MAX_EVICTION_ENTRIES
     BUILD_FAILED = "build_failed"  # a deferred record's builder raised or returned no record
     QUEUE_FULL = "queue_full"  # a deferred record could not be queued: shed, never built
     SOURCE_FAILED = "source_failed"  # a pool-usage source or an engine check raised
@@ -132,6 +133,10 @@ class Problem(_StrEnum):
 
 #: Links a transfer span keeps; more are left out and counted (``links_truncated``).
 MAX_LINKS: Final = 8
+#: Entries one eviction record may detail (its tokens count whole; a producer with more entries reports its first ones,
+#: the rest as tokens of unknown reuse). A record with more is refused (``too_many_entries``): the bound keeps the
+#: caller's work per record under 1 ms.
+MAX_EVICTION_ENTRIES: Final = 1024
 #: Pool names a producer may add to :data:`POOLS` (``HiCacheTelemetry(extra_pools=...)``): a bound on cardinality.
 MAX_EXTRA_POOLS: Final = 64
 

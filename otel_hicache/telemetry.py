@@ -8,10 +8,11 @@ and the consumers of the ring (:mod:`~otel_hicache._internal.consumers`). The ty
 
 What the host process pays (the scheduler thread is latency-critical, and every thread of its process shares its GIL):
 
-* On the calling thread a record is **validated** (each field read once), its counts are added to the **exact counter
-  table** (:mod:`otel_hicache._internal.accumulation`) and the record is packed into a bounded **ring**
-  (:mod:`otel_hicache._internal.channel`): a few microseconds, no SDK call, no device sync, never a wait.
-* Spans, histogram points, OTLP encoding and export happen in the **export process**
+* On the calling thread a record is **validated** (each field read once), its counts and histogram values are added
+  to the **exact table** (:mod:`otel_hicache._internal.accumulation`: counters, bucket counts and sums) and a transfer
+  is packed into a bounded **ring** for its span (:mod:`otel_hicache._internal.channel`): a few microseconds, no SDK
+  call, no device sync, never a wait.
+* Spans, OTLP encoding and export happen in the **export process**
   (:mod:`otel_hicache._internal.export_process`) when exporting over OTLP: the host has no thread doing that work. The
   table and the ring live in memory the export process maps, so what the host counted is exported even after a SIGKILL.
   In-process (the embedded default, or providers handed to this class), a consumer thread does the same work in slices
@@ -242,8 +243,8 @@ class HiCacheTelemetry:
             self._tally.drop(checked, corrections)
 
     def record_eviction(self, eviction: EvictionRecord) -> None:
-        """Count one eviction pass (per entry, when it has entries: reuse, age, wasted bytes) and queue its duration
-        and ages. Never raises."""
+        """Count one eviction pass: its tokens, and per entry, when it has entries (at most
+        :data:`~otel_hicache.semconv.MAX_EVICTION_ENTRIES`), reuse, age and wasted bytes; its duration. Never raises."""
         checked = self._tally.checked(RecordKind.EVICTION, validation.eviction, eviction)
         if checked is not None:
             self._tally.eviction(checked)
@@ -251,21 +252,18 @@ class HiCacheTelemetry:
                 self._host.start()
 
     def record_kv_wait(self, wait: KvWait, request_span: Span | None = None) -> None:
-        """Queue how long one request's prefill waited for its KV from one tier (``hicache.request.kv_wait``); put it
-        on ``request_span`` (``hicache.kv_wait.<tier>``, seconds) when given, whose trace the histogram's exemplar
-        then links to. Never raises."""
+        """Count how long one request's prefill waited for its KV from one tier (``hicache.request.kv_wait``); put it
+        on ``request_span`` (``hicache.kv_wait.<tier>``, seconds) when given. Never raises."""
         checked = self._tally.checked(RecordKind.KV_WAIT, validation.kv_wait, wait)
         if checked is None:
             return
-        context = None
+        self._tally.kv_wait(checked)
         if request_span is not None:
             try:
-                context = validation.link(request_span.get_span_context())
                 if request_span.is_recording():
                     request_span.set_attribute(f"{sc.ATTR_KV_WAIT}.{checked.tier.value}", checked.seconds)
             except Exception:
-                _log.debug("otel_hicache: reading or annotating a request span failed", exc_info=True)
-        self._tally.kv_wait(checked, context)
+                _log.debug("otel_hicache: annotating a request span failed", exc_info=True)
         if not self._host.started:
             self._host.start()
 
@@ -316,8 +314,8 @@ class HiCacheTelemetry:
         return self._tally.snapshot()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Count deferred records and turn every queued record into spans and histogram points (and, exporting from
-        another process, export them), within ``timeout_s``. True if everything got through in time. (Pool sources
+        """Count deferred records and turn every queued transfer into its span (and, exporting from another process,
+        export the spans and the metrics), within ``timeout_s``. True if everything got through in time. (Pool sources
         are read by the host thread about once a second, and before each in-process collection.)"""
         return self._host.flush(timeout_s)
 
