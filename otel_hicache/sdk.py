@@ -24,9 +24,10 @@ default), which it never changes; where ``env`` does not name a value, the OTel 
 reads a handful of variables from the process environment itself, such as
 ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED``, for the providers of this process).
 
-Views install the bucket boundaries, allow only each instrument's closed attribute keys, and cap every metric
-stream at ``cardinality_limit`` series. The SDK's own pipeline metrics (export failures: ``otel.sdk.*``) are turned
-on in the export process unless ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED`` says otherwise.
+Views allow only each instrument's closed attribute keys and cap every metric stream at ``cardinality_limit``
+series; the histograms keep their rows' buckets (the host aggregates them in shared memory). The SDK's own pipeline
+metrics (export failures: ``otel.sdk.*``) are turned on in the export process unless
+``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED`` says otherwise.
 
 Every :class:`TelemetrySetup` exports under a Resource of its own: a ``service.instance.id`` (a random UUID) unless
 ``OTEL_RESOURCE_ATTRIBUTES`` or ``resource_attributes=`` pins one, so two telemetries in one process never report

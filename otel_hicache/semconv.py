@@ -241,8 +241,8 @@ class Feed(_StrEnum):
     """What an instrument's points are made of (the emitter reads each instrument the way its row says)."""
 
     COUNTERS = "counters"  # an observable counter over the exact slot table (one slot per series)
-    TRANSFERS = "transfers"  # a histogram point per timed transfer: its copy duration, by operation and timing source
-    POINTS = "points"  # histogram points a producer call queues, by the row's attributes
+    TRANSFERS = "transfers"  # each timed transfer's copy duration, by operation and timing source, into the table
+    POINTS = "points"  # values a producer call adds to the table (Tally.observe), by the row's attributes
     POOL_USAGE = "pool_usage"  # the last pool reading: used and free slots
     POOL_LIMIT = "pool_limit"  # the last pool reading: capacity
 
@@ -415,8 +415,8 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
         METRIC_RECORDS_DROPPED,
         "counter",
         UNIT_RECORD,
-        "Records whose span and histogram point were lost (the export ring was full, or the telemetry was shut "
-        "down), and spans whose export failed; their counters are still exact.",
+        "Transfers whose span was lost (the export ring was full, or the telemetry was shut down), and spans whose "
+        "export failed; every metric of theirs is still exact.",
         (ATTR_RECORD_KIND,),
     ),
     InstrumentSpec(

@@ -144,7 +144,8 @@ class Tally:
         tier, ages = eviction.tier, eviction.ages
         adds = [(self._evicted_slot[(tier, reused)], n) for reused, n in eviction.tokens_by_reuse.items()]
         adds += [(self._wasted_slot[(op,)], n) for op, n in eviction.unread_bytes.items()]
-        duration = self._point(sc.METRIC_EVICTION_DURATION, (tier,), eviction.duration_s)
+        bucket, duration_sum_slot = self._point(sc.METRIC_EVICTION_DURATION, (tier,), eviction.duration_s)
+        adds.append((bucket, 1))
         age_sum_slot, age_sum = -1, 0.0
         if ages:  # the ages as counts per bucket, added with the pass's counts; their sum as one float
             base = self.layout.histograms[sc.METRIC_EVICTION_AGE][(tier,)]
@@ -154,7 +155,7 @@ class Tally:
         with self.lock:
             counted = self._apply(adds)
             if counted:
-                self._add_point(*duration)
+                self._floats[duration_sum_slot] += eviction.duration_s
                 if ages:
                     self._floats[age_sum_slot] += age_sum
         if not counted:
@@ -167,18 +168,15 @@ class Tally:
     def observe(self, name: str, key: Key, value: float) -> None:
         """Add ``value`` to the series ``key`` (its attributes' values, in its row's order) of histogram ``name``: what
         a producer call of a new histogram row does. KeyError for a value outside its attribute's closed set."""
-        point = self._point(name, key, value)
+        bucket, sum_slot = self._point(name, key, value)
         with self.lock:
-            self._add_point(*point)
+            if self._apply([(bucket, 1)]):
+                self._floats[sum_slot] += value
 
-    def _point(self, name: str, key: Key, value: float) -> tuple[int, int, float]:
-        """Where ``value`` goes: the slot of its bucket's count and of its series' sum (found outside the lock)."""
+    def _point(self, name: str, key: Key, value: float) -> tuple[int, int]:
+        """Where ``value`` goes: the slots of its bucket's count and of its series' sum (found outside the lock)."""
         base = self.layout.histograms[name][key]
-        return base + HISTOGRAM_BUCKETS + bisect_left(self.layout.bounds[name], value), base + HISTOGRAM_SUM, value
-
-    def _add_point(self, bucket: int, sum_slot: int, value: float) -> None:
-        self._ints[bucket] += 1  # under the lock
-        self._floats[sum_slot] += value
+        return base + HISTOGRAM_BUCKETS + bisect_left(self.layout.bounds[name], value), base + HISTOGRAM_SUM
 
     def prefill(self, counts: dict[PrefillMode, int]) -> None:
         self.add([(self._prefill_slot[(mode,)], n) for mode, n in counts.items()])

@@ -104,20 +104,18 @@ class TracesSide(NamedTuple):
 
 
 def views(cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT) -> list[View]:
-    """One View per instrument: closed attribute keys, a series cap, and explicit buckets for histograms."""
-    out = []
-    for spec in sc.INSTRUMENTS:
-        aggregation = None if spec.buckets is None else ExplicitBucketHistogramAggregation(spec.buckets)
-        out.append(
-            View(
-                instrument_name=spec.name,
-                meter_name=sc.INSTRUMENTATION_SCOPE,
-                attribute_keys=set(spec.attributes),
-                aggregation=aggregation,
-                aggregation_cardinality_limit=cardinality_limit,
-            )
+    """One View per instrument the SDK aggregates: closed attribute keys and a series cap. (The histograms are
+    aggregated by the host in shared memory and handed to the readers as they are: ``_internal/histograms.py``.)"""
+    return [
+        View(
+            instrument_name=spec.name,
+            meter_name=sc.INSTRUMENTATION_SCOPE,
+            attribute_keys=set(spec.attributes),
+            aggregation_cardinality_limit=cardinality_limit,
         )
-    return out
+        for spec in sc.INSTRUMENTS
+        if spec.kind != "histogram"
+    ]
 
 
 def build_resource(
