@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentelemetry.sdk.metrics import Histogram, MeterProvider
-from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
+from opentelemetry.sdk.metrics import Histogram as HistogramInstrument
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import AggregationTemporality, Histogram, InMemoryMetricReader
 
 from otel_hicache import semconv as sc
 from otel_hicache.records import KvWait
@@ -26,7 +27,7 @@ def waits(reader: InMemoryMetricReader) -> Any:
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 if metric.name == sc.METRIC_REQUEST_KV_WAIT:
-                    assert sm.scope.name == sc.INSTRUMENTATION_SCOPE
+                    assert sm.scope.name == sc.INSTRUMENTATION_SCOPE and isinstance(metric.data, Histogram)
                     (point,) = metric.data.data_points
                     return metric.data.aggregation_temporality, point
     return None
@@ -34,7 +35,7 @@ def waits(reader: InMemoryMetricReader) -> Any:
 
 def test_cumulative_and_delta_readers_each_get_the_table_their_way_and_a_later_reader_too() -> None:
     cumulative = InMemoryMetricReader()
-    delta = InMemoryMetricReader(preferred_temporality={Histogram: AggregationTemporality.DELTA})
+    delta = InMemoryMetricReader(preferred_temporality={HistogramInstrument: AggregationTemporality.DELTA})
     provider = MeterProvider(metric_readers=[cumulative, delta], views=views())
     telemetry = HiCacheTelemetry(None, provider)
     try:
