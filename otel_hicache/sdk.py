@@ -4,7 +4,7 @@
 
 * **OTLP** when an endpoint is configured (``OTEL_EXPORTER_OTLP_ENDPOINT`` or the per-signal
   ``..._TRACES_ENDPOINT`` / ``..._METRICS_ENDPOINT``, or ``endpoint=``): the telemetry's spans and metrics are built
-  and exported by its export process (:mod:`otel_hicache._internal.export_process`); this process runs no exporter, span
+  and exported by its export process (:mod:`otel_hicache._internal.export.handle`); this process runs no exporter, span
   processor or metric reader of ours. ``OTEL_EXPORTER_OTLP_PROTOCOL`` (``grpc`` or ``http/protobuf``) picks the
   exporter; headers, TLS (``..._CERTIFICATE``, ``..._INSECURE``), compression and timeouts come from the same
   variables.
@@ -52,9 +52,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, SERVICE_NAMESPACE, Resource
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal.export_process import ExportProcess
-from otel_hicache._internal.plan import ExportPlan
-from otel_hicache._internal.providers import (
+from otel_hicache._internal.emit.providers import (
     DEFAULT_SERVICE_NAME,
     MetricsSide,
     RecentSpans,
@@ -68,6 +66,8 @@ from otel_hicache._internal.providers import (
     traces_side,
     views,
 )
+from otel_hicache._internal.export.handle import ExportProcess
+from otel_hicache._internal.shared.plan import ExportPlan
 from otel_hicache.config import DEFAULT_CARDINALITY_LIMIT, NONE, ConfigError, Settings, key_values, validate
 from otel_hicache.telemetry import HiCacheTelemetry
 

@@ -1,19 +1,20 @@
 """``HiCacheTelemetry``: the one sink every producer reports through.
 
-From each record it derives both the metric points and the span, so traces and metrics cannot disagree. The class is
-a facade over the pipeline's parts in :mod:`otel_hicache._internal`: validation, counting and refusals
-(:mod:`~otel_hicache._internal.counting`), the host-side worker and its thread (:mod:`~otel_hicache._internal.worker`)
-and the consumers of the ring (:mod:`~otel_hicache._internal.consumers`). The types an adapter holds are named here:
-:class:`DeferredQueue`, :class:`TransferSite`, :data:`Build`, :data:`PoolSource`, :data:`EngineCheck`.
+From each record it derives both the metric points and the span, so traces and metrics cannot disagree. The class is a
+facade over the pipeline's parts in :mod:`otel_hicache._internal`: validation, counting and refusals
+(:mod:`~otel_hicache._internal.host.counting`), the host-side worker and its thread
+(:mod:`~otel_hicache._internal.host.worker`) and the consumers of the ring
+(:mod:`~otel_hicache._internal.host.consumers`). The types an adapter holds are named here: :class:`DeferredQueue`,
+:class:`TransferSite`, :data:`Build`, :data:`PoolSource`, :data:`EngineCheck`.
 
 What the host process pays (the scheduler thread is latency-critical, and every thread of its process shares its GIL):
 
 * On the calling thread a record is **validated** (each field read once), its counts and histogram values are added
-  to the **exact table** (:mod:`otel_hicache._internal.accumulation`: counters, bucket counts and sums) and a transfer
-  is packed into a bounded **ring** for its span (:mod:`otel_hicache._internal.channel`): a few microseconds, no SDK
-  call, no device sync, never a wait.
+  to the **exact table** (:mod:`otel_hicache._internal.shared.accumulation`: counters, bucket counts and sums) and a
+  transfer is packed into a bounded **ring** for its span (:mod:`otel_hicache._internal.shared.channel`): a few
+  microseconds, no SDK call, no device sync, never a wait.
 * Spans, OTLP encoding and export happen in the **export process**
-  (:mod:`otel_hicache._internal.export_process`) when exporting over OTLP: the host has no thread doing that work. The
+  (:mod:`otel_hicache._internal.export.handle`) when exporting over OTLP: the host has no thread doing that work. The
   table and the ring live in memory the export process maps, so what the host counted is exported even after a SIGKILL.
   In-process (the embedded default, or providers handed to this class), a consumer thread does the same work in slices
   of ~50 us, pausing between them so the scheduler thread gets the GIL back.
@@ -48,15 +49,15 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanContext
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal import validation
-from otel_hicache._internal.accumulation import Layout
-from otel_hicache._internal.channel import EXPORTER_PID, HEADER_INTS, Channel
-from otel_hicache._internal.consumers import Consumer, InProcessConsumer
-from otel_hicache._internal.counting import Tally
-from otel_hicache._internal.deferred import Build, DeferredQueue
-from otel_hicache._internal.validation import Rejected
-from otel_hicache._internal.validation import Site as TransferSite
-from otel_hicache._internal.worker import EngineCheck, HostWorker, PoolSource, weakly
+from otel_hicache._internal.host import validation
+from otel_hicache._internal.host.consumers import Consumer, InProcessConsumer
+from otel_hicache._internal.host.counting import Tally
+from otel_hicache._internal.host.deferred import Build, DeferredQueue
+from otel_hicache._internal.host.validation import Rejected
+from otel_hicache._internal.host.validation import Site as TransferSite
+from otel_hicache._internal.host.worker import EngineCheck, HostWorker, PoolSource, weakly
+from otel_hicache._internal.shared.accumulation import Layout
+from otel_hicache._internal.shared.channel import EXPORTER_PID, HEADER_INTS, Channel
 from otel_hicache.records import (
     DropRecord,
     EvictionRecord,

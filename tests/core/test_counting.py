@@ -1,4 +1,4 @@
-"""Counting and refusals (``_internal.counting.Tally``): a checked record's counts land in its slots of the exact
+"""Counting and refusals (``_internal.host.counting.Tally``): a checked record's counts land in its slots of the exact
 table (counters, histogram buckets and sums) and a transfer's span on the ring, all or nothing; what is refused,
 corrected or lost is counted and said once."""
 
@@ -9,10 +9,10 @@ import logging
 import pytest
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal import validation
-from otel_hicache._internal.accumulation import Layout
-from otel_hicache._internal.channel import HEADER_INTS, Channel
-from otel_hicache._internal.counting import Tally
+from otel_hicache._internal.host import validation
+from otel_hicache._internal.host.counting import Tally
+from otel_hicache._internal.shared.accumulation import Layout
+from otel_hicache._internal.shared.channel import HEADER_INTS, Channel
 from otel_hicache.records import DropRecord, EvictedEntry, EvictionRecord, TransferRecord
 from otel_hicache.semconv import DropReason, Problem, RecordKind, Tier, TimingSource, TransferOperation
 

@@ -1,4 +1,4 @@
-"""The table's histograms reach every reader of a provider (``_internal.histograms``), as each reader wants them.
+"""The table's histograms reach every reader of a provider (``_internal.emit.histograms``), as each reader wants them.
 
 Cumulative readers get the totals since the table's start (one start time, whichever collection); delta readers the
 difference from what they received last; a reader added to the provider later gets them too; the rest of a

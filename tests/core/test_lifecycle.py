@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal.worker import HOST_THREAD_NAME
+from otel_hicache._internal.host.worker import HOST_THREAD_NAME
 from otel_hicache.sdk import configure
 from otel_hicache.testing.otlp_receiver import OtlpReceiver
 from tests.core.support import (
@@ -400,7 +400,7 @@ IN_THE_HOST = textwrap.dedent(
     """
     import json, logging, os, sys, threading
     from otel_hicache import configure
-    from otel_hicache._internal.exporter import EXPORTER_LOGGERS
+    from otel_hicache._internal.export.main import EXPORTER_LOGGERS
     from otel_hicache.records import TransferRecord
     environ = dict(os.environ)
     filters = {name: list(logging.getLogger(name).filters) for name in EXPORTER_LOGGERS}

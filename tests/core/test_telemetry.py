@@ -14,10 +14,10 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal import validation
-from otel_hicache._internal.accumulation import Layout
-from otel_hicache._internal.channel import HEADER_INTS, Channel
-from otel_hicache._internal.emitter import Emitter
+from otel_hicache._internal.emit.emitter import Emitter
+from otel_hicache._internal.host import validation
+from otel_hicache._internal.shared.accumulation import Layout
+from otel_hicache._internal.shared.channel import HEADER_INTS, Channel
 from otel_hicache.records import (
     DropRecord,
     EvictedEntry,

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 from opentelemetry.trace import SpanContext
 
 from otel_hicache import semconv as sc
+from otel_hicache._internal.shared.channel import MAX_LABEL_BYTES, Link, Transfer
 from otel_hicache.records import (
     DropRecord,
     EvictedEntry,
@@ -33,8 +34,6 @@ MAX_BYTES = 1 << 50
 MAX_DURATION_S = 86_400.0
 #: The oldest an evicted entry may have been idle (a year): older is a clock mix-up, not an age.
 MAX_AGE_S = 365 * 86_400.0
-#: Longest write policy / io backend kept on a span, in UTF-8 bytes.
-MAX_LABEL_BYTES = 32
 
 OPERATIONS: dict[str, TransferOperation] = {op.value: op for op in TransferOperation}
 REASONS: dict[str, DropReason] = {r.value: r for r in DropReason}
@@ -57,34 +56,6 @@ class Rejected(Exception):
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem.value)
         self.problem = problem
-
-
-class Link(NamedTuple):
-    """A link to a request span, as plain values."""
-
-    trace_id: int
-    span_id: int
-    trace_flags: int
-    is_remote: bool
-
-
-class Transfer(NamedTuple):
-    """A checked transfer: every count an ``int``, pools known (or ``other``), links valid."""
-
-    operation: TransferOperation
-    tokens: list[tuple[str, int]]  # (pool, tokens), pools unique
-    num_bytes: int
-    bytes_by_pool: list[tuple[str, int]] | None
-    submit_time_ns: int
-    complete_time_ns: int
-    copy_duration_s: float | None
-    timing_source: TimingSource  # NONE exactly when copy_duration_s is None
-    merged_ops: int
-    node_count: int
-    write_policy: str | None
-    io_backend: str | None
-    links: tuple[Link, ...]
-    corrections: tuple[Problem, ...]  # what was normalized, each counted once for this record
 
 
 _new_transfer = tuple.__new__  # a Transfer made in C: a NamedTuple's own __new__ is one more Python frame

@@ -1,13 +1,14 @@
 """The export side: OTel instruments over the table, and spans from the ring's transfers.
 
-:class:`Emitter` is the policy half of the pipeline (the ring in :mod:`otel_hicache._internal.channel` is the mechanism,
-as the OTel SDK separates ``BatchProcessor`` from ``BatchSpanProcessor``). It runs wherever the records are consumed: in
-the export process (:mod:`otel_hicache._internal.export_process`, the default when exporting over OTLP) or on a consumer
-thread of the host (the embedded default, and providers handed to :class:`~otel_hicache.telemetry.HiCacheTelemetry`).
+:class:`Emitter` is the policy half of the pipeline (the ring in :mod:`otel_hicache._internal.shared.channel` is the
+mechanism, as the OTel SDK separates ``BatchProcessor`` from ``BatchSpanProcessor``). It runs wherever the records are
+consumed: in the export process (:mod:`otel_hicache._internal.export.handle`, the default when exporting over OTLP) or
+on a consumer thread of the host (the embedded default, and providers handed to
+:class:`~otel_hicache.telemetry.HiCacheTelemetry`).
 
 Every instrument comes from one table, :data:`otel_hicache.semconv.INSTRUMENTS`, and is read from the shared table as
 its row's ``feed`` says: counters are observable counters over their exact slots, pool gauges read the last pool
-reading, histograms are handed to every reader as the table holds them (:mod:`otel_hicache._internal.histograms`).
+reading, histograms are handed to every reader as the table holds them (:mod:`otel_hicache._internal.emit.histograms`).
 Nothing a metric reports depends on this process's memory: the records only become spans. No instrument is special
 here beyond what its row declares.
 """
@@ -25,8 +26,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal import histograms
-from otel_hicache._internal.channel import ChannelCounters
+from otel_hicache._internal.emit import histograms
+from otel_hicache._internal.shared.channel import ChannelCounters
 from otel_hicache.records import TransferRecord
 from otel_hicache.version import __version__
 

@@ -1,13 +1,13 @@
 """Counting and refusals: the producer side of a telemetry's channel.
 
-A :class:`Tally` adds the counts and histogram values of each checked record (:mod:`otel_hicache._internal.validation`)
-to the channel's exact table and queues a transfer's span on the ring, under one lock, from any thread; a count past
-int64 leaves the table as it was, and a transfer whose span the ring cannot take still counts
-(``otel_hicache.records.dropped``). A histogram value costs a bucket search (``bisect`` over the row's boundaries,
-outside the lock) and two adds under it: the bucket's count and the float64 sum. It counts what was refused
-(``otel_hicache.records.rejected``) or corrected (``otel_hicache.records.normalized``) too, and says so once per kind
-of problem. Slot numbers are looked up in tables
-built once from the layout: the hot path indexes dicts and never builds a key.
+A :class:`Tally` adds the counts and histogram values of each checked record
+(:mod:`otel_hicache._internal.host.validation`) to the channel's exact table and queues a transfer's span on the ring,
+under one lock, from any thread; a count past int64 leaves the table as it was, and a transfer whose span the ring
+cannot take still counts (``otel_hicache.records.dropped``). A histogram value costs a bucket search (``bisect`` over
+the row's boundaries, outside the lock) and two adds under it: the bucket's count and the float64 sum. It counts what
+was refused (``otel_hicache.records.rejected``) or corrected (``otel_hicache.records.normalized``) too, and says so once
+per kind of problem. Slot numbers are looked up in tables built once from the layout: the hot path indexes dicts and
+never builds a key.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal.accumulation import HISTOGRAM_BUCKETS, HISTOGRAM_SUM, Key, Layout
-from otel_hicache._internal.channel import Channel
-from otel_hicache._internal.validation import Drop, Eviction, Failure, Pools, Rejected, Transfer, Wait
+from otel_hicache._internal.host.validation import Drop, Eviction, Failure, Pools, Rejected, Transfer, Wait
+from otel_hicache._internal.shared.accumulation import HISTOGRAM_BUCKETS, HISTOGRAM_SUM, Key, Layout
+from otel_hicache._internal.shared.channel import Channel
 from otel_hicache.semconv import PrefillMode, Problem, RecordKind
 
 _log = logging.getLogger("otel_hicache.telemetry")

@@ -1,15 +1,15 @@
 """Histograms from the shared table, handed to every metric reader of a meter provider.
 
 Our histograms are aggregated by the host, exactly, in the table both processes map
-(:mod:`otel_hicache._internal.accumulation`): bucket counts and sums, cumulative since the table was made. The OTel
-Python SDK (1.45) aggregates only the measurements it records itself and has no public way to give its readers
-pre-aggregated points (no ``MetricProducer``), so this module does it at the one place every reader's collection
-passes through: the collect callback a ``MeterProvider`` gives each of its readers (``MetricReader._collect``, set by
+(:mod:`otel_hicache._internal.shared.accumulation`): bucket counts and sums, cumulative since the table was made. The
+OTel Python SDK (1.45) aggregates only the measurements it records itself and has no public way to give its readers
+pre-aggregated points (no ``MetricProducer``), so this module does it at the one place every reader's collection passes
+through: the collect callback a ``MeterProvider`` gives each of its readers (``MetricReader._collect``, set by
 ``_set_collect_callback``). :func:`attach` wraps that callback once per provider - for the readers registered now and,
 through the provider's measurement consumer, for any added later (periodic OTLP readers, the Prometheus reader, the
-in-memory reader of the embedded default and of the tests) - so that the ``MetricsData`` each reader receives holds
-our histograms too, under our instrumentation scope and the provider's Resource. It is the package's only use of the
-SDK's private attributes; the tests read every kind of reader through it, so an SDK that changes them fails there.
+in-memory reader of the embedded default and of the tests) - so that the ``MetricsData`` each reader receives holds our
+histograms too, under our instrumentation scope and the provider's Resource. It is the package's only use of the SDK's
+private attributes; the tests read every kind of reader through it, so an SDK that changes them fails there.
 
 Each reader gets the temporality it prefers for histograms: cumulative readers the table's totals, starting at the
 table's creation (the same start for a replacement exporter: the time is in the shared header); delta readers the
@@ -40,7 +40,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal.accumulation import HistogramSeries
+from otel_hicache._internal.shared.accumulation import HistogramSeries
 from otel_hicache.version import __version__
 
 _log = logging.getLogger(__name__)

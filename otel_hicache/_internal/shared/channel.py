@@ -5,9 +5,9 @@ Layout (all int64-aligned)::
     header (HEADER_INTS int64)  |  counters, pool gauges, histograms (accumulation.Layout)  |  transfer ring (slots)
 
 * The **table** holds every metric exactly: each counter series, the last pool reading, and each histogram series'
-  bucket counts and sum (:mod:`otel_hicache._internal.accumulation`). The host adds into it; an exporter only reads
-  it, so no metric depends on an exporter's memory or on an export succeeding: a replacement exporter reads the same
-  cumulative state, and ``START_NS`` (when the table was made) is the start time of every cumulative point.
+  bucket counts and sum (:mod:`otel_hicache._internal.shared.accumulation`). The host adds into it; an exporter only
+  reads it, so no metric depends on an exporter's memory or on an export succeeding: a replacement exporter reads the
+  same cumulative state, and ``START_NS`` (when the table was made) is the start time of every cumulative point.
 * The **transfer ring** is a bounded single-producer / single-consumer queue of fixed-size slots: the host packs each
   transfer (for its span) into the next free slot; when the ring is full the span is shed and counted, never waited
   for. The producer publishes a slot by advancing ``WRITE`` after writing it; the consumer advances ``READ`` after
@@ -31,14 +31,46 @@ import os
 import struct
 import time
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal.accumulation import Counters, Key, Layout
-from otel_hicache._internal.validation import MAX_LABEL_BYTES, Transfer
+from otel_hicache._internal.shared.accumulation import Counters, Key, Layout
 from otel_hicache.records import TransferRecord
+from otel_hicache.semconv import Problem, TimingSource, TransferOperation
+
+#: Longest write policy / io backend kept on a span, in UTF-8 bytes.
+MAX_LABEL_BYTES = 32
+
+
+class Link(NamedTuple):
+    """A link to a request span, as plain values."""
+
+    trace_id: int
+    span_id: int
+    trace_flags: int
+    is_remote: bool
+
+
+class Transfer(NamedTuple):
+    """A checked transfer: every count an ``int``, pools known (or ``other``), links valid."""
+
+    operation: TransferOperation
+    tokens: list[tuple[str, int]]  # (pool, tokens), pools unique
+    num_bytes: int
+    bytes_by_pool: list[tuple[str, int]] | None
+    submit_time_ns: int
+    complete_time_ns: int
+    copy_duration_s: float | None
+    timing_source: TimingSource  # NONE exactly when copy_duration_s is None
+    merged_ops: int
+    node_count: int
+    write_policy: str | None
+    io_backend: str | None
+    links: tuple[Link, ...]
+    corrections: tuple[Problem, ...]  # what was normalized, each counted once for this record
+
 
 # header slots
 MAGIC, WRITE, READ, SETTLED, FLUSH_REQ, FLUSH_DONE, EXPORTER_PID, EXPORT_DROPPED, ID_SEED, START_NS = range(10)

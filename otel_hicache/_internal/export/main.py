@@ -1,17 +1,18 @@
 """The export process's program: builds a host's spans and metrics from its channel and exports them.
 
-Launched by the host's handle (:class:`~otel_hicache._internal.export_process.ExportProcess`, which describes the
-process's life: the launch, the pipes, the handover); its boot line reads the :class:`~otel_hicache._internal.plan.
-ExportPlan` and calls :func:`main`. Metrics are read from the shared table at each collection by the readers' own
-threads; nothing here holds a metric. The ring is the exporter's only span queue: the main thread builds spans from the
-ring's transfers with a processor that only collects them, and a thread of its own sends them (as the SDK's batch
-processor would: ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` at a time, at least every ``OTEL_BSP_SCHEDULE_DELAY``) and then
-settles their slots. So a send that blocks (a black-hole collector, an exporter retrying) delays neither a metric read
-nor the building of the next spans: it holds only the slots of its own spans, until it returns - within the span
-exporter's timeout (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``, 10 s by default), the bound of every OTLP export. A span
-whose export fails is counted in ``otel_hicache.records.dropped``; a replacement for a dead exporter sends again what
-its predecessor had not settled, under the same span and trace ids (an OTLP retry). Everything is exported under the
-host's Resource, with the providers :mod:`otel_hicache._internal.providers` builds for ``configure()`` too.
+Launched by the host's handle (:class:`~otel_hicache._internal.export.handle.ExportProcess`, which describes the
+process's life: the launch, the pipes, the handover); its boot (:mod:`otel_hicache._internal.export.boot`) reads the
+:class:`~otel_hicache._internal.shared.plan.ExportPlan` and calls :func:`main`. Metrics are read from the shared table
+at each collection by the readers' own threads; nothing here holds a metric. The ring is the exporter's only span queue:
+the main thread builds spans from the ring's transfers with a processor that only collects them, and a thread of its own
+sends them (as the SDK's batch processor would: ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` at a time, at least every
+``OTEL_BSP_SCHEDULE_DELAY``) and then settles their slots. So a send that blocks (a black-hole collector, an exporter
+retrying) delays neither a metric read nor the building of the next spans: it holds only the slots of its own spans,
+until it returns - within the span exporter's timeout (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``, 10 s by default), the
+bound of every OTLP export. A span whose export fails is counted in ``otel_hicache.records.dropped``; a replacement for
+a dead exporter sends again what its predecessor had not settled, under the same span and trace ids (an OTLP retry).
+Everything is exported under the host's Resource, with the providers :mod:`otel_hicache._internal.emit.providers`
+builds for ``configure()`` too.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
-from otel_hicache._internal.accumulation import Layout
-from otel_hicache._internal.channel import (
+from otel_hicache._internal.emit.emitter import Emitter
+from otel_hicache._internal.emit.providers import build
+from otel_hicache._internal.shared.accumulation import Layout
+from otel_hicache._internal.shared.channel import (
     EXPORT_DROPPED,
     EXPORTER_PID,
     FLUSH_DONE,
@@ -43,9 +46,7 @@ from otel_hicache._internal.channel import (
     SETTLED,
     Channel,
 )
-from otel_hicache._internal.emitter import Emitter
-from otel_hicache._internal.plan import LOG_LINE, MAX_LINE_BYTES, ExportPlan
-from otel_hicache._internal.providers import build
+from otel_hicache._internal.shared.plan import LOG_LINE, MAX_LINE_BYTES, ExportPlan
 from otel_hicache.config import validate
 
 _log = logging.getLogger(__name__)

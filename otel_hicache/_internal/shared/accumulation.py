@@ -6,9 +6,9 @@ pool list alone, and the host and the export process compute the same layout fro
 one int64; a histogram series is a block: its sum (a float64, added in the order the host recorded the values) and one
 int64 count per bucket of its row (the OTel SDK's explicit-bucket rule: bucket ``i`` holds ``bounds[i-1] < v <=
 bounds[i]``); its count is the buckets' sum, so a reader never sees a count its buckets disagree with. Min and max are
-not kept. The table lives in memory both can see (:mod:`otel_hicache._internal.channel`): the host adds into it under
-its lock, the exporter reads it at each collection, and what the host counted is there to export even after the host
-or the exporter was SIGKILLed.
+not kept. The table lives in memory both can see (:mod:`otel_hicache._internal.shared.channel`): the host adds into it
+under its lock, the exporter reads it at each collection, and what the host counted is there to export even after the
+host or the exporter was SIGKILLed.
 """
 
 from __future__ import annotations
