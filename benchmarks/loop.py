@@ -39,7 +39,7 @@ from benchmarks.ackpath import (
     SyntheticAckPath,
 )
 from otel_hicache import semconv as sc
-from otel_hicache._internal.worker import DEFERRED_TICK_S, HOST_THREAD_NAME
+from otel_hicache._internal.host.worker import DEFERRED_TICK_S, HOST_THREAD_NAME
 from otel_hicache.sdk import configure
 from otel_hicache.timing import make_timing_event_pair
 

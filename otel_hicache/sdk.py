@@ -4,7 +4,7 @@
 
 * **OTLP** when an endpoint is configured (``OTEL_EXPORTER_OTLP_ENDPOINT`` or the per-signal
   ``..._TRACES_ENDPOINT`` / ``..._METRICS_ENDPOINT``, or ``endpoint=``): the telemetry's spans and metrics are built
-  and exported by its export process (:mod:`otel_hicache._internal.export_process`); this process runs no exporter, span
+  and exported by its export process (:mod:`otel_hicache._internal.export.handle`); this process runs no exporter, span
   processor or metric reader of ours. ``OTEL_EXPORTER_OTLP_PROTOCOL`` (``grpc`` or ``http/protobuf``) picks the
   exporter; headers, TLS (``..._CERTIFICATE``, ``..._INSECURE``), compression and timeouts come from the same
   variables.
@@ -24,9 +24,10 @@ default), which it never changes; where ``env`` does not name a value, the OTel 
 reads a handful of variables from the process environment itself, such as
 ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED``, for the providers of this process).
 
-Views install the bucket boundaries, allow only each instrument's closed attribute keys, and cap every metric
-stream at ``cardinality_limit`` series. The SDK's own pipeline metrics (export failures: ``otel.sdk.*``) are turned
-on in the export process unless ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED`` says otherwise.
+Views allow only each instrument's closed attribute keys and cap every metric stream at ``cardinality_limit``
+series; the histograms keep their rows' buckets (the host aggregates them in shared memory). The SDK's own pipeline
+metrics (export failures: ``otel.sdk.*``) are turned on in the export process unless
+``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED`` says otherwise.
 
 Every :class:`TelemetrySetup` exports under a Resource of its own: a ``service.instance.id`` (a random UUID) unless
 ``OTEL_RESOURCE_ATTRIBUTES`` or ``resource_attributes=`` pins one, so two telemetries in one process never report
@@ -50,9 +51,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, SERVICE_NAMESPACE, Resource
 
-from otel_hicache._internal.export_process import ExportProcess
-from otel_hicache._internal.plan import ExportPlan
-from otel_hicache._internal.providers import (
+from otel_hicache._internal.emit.providers import (
     DEFAULT_SERVICE_NAME,
     MetricsSide,
     RecentSpans,
@@ -66,6 +65,8 @@ from otel_hicache._internal.providers import (
     traces_side,
     views,
 )
+from otel_hicache._internal.export.handle import ExportProcess
+from otel_hicache._internal.shared.plan import ExportPlan
 from otel_hicache.config import (
     DEFAULTS,
     NONE,

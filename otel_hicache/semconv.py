@@ -120,6 +120,7 @@ class Problem(_StrEnum):
     BAD_DURATION = "bad_duration"
     END_BEFORE_START = "end_before_start"
     ENTRIES_EXCEED_TOTAL = "entries_exceed_total"  # an eviction's entries hold more tokens than the pass freed
+    TOO_MANY_ENTRIES = "too_many_entries"  # an eviction record details more entries than MAX_EVICTION_ENTRIES
     BUILD_FAILED = "build_failed"  # a deferred record's builder raised or returned no record
     QUEUE_FULL = "queue_full"  # a deferred record could not be queued: shed, never built
     SOURCE_FAILED = "source_failed"  # a pool-usage source or an engine check raised
@@ -133,6 +134,10 @@ class Problem(_StrEnum):
 
 #: Links a transfer span keeps; more are left out and counted (``links_truncated``).
 MAX_LINKS: Final = 8
+#: Entries one eviction record may detail (its tokens count whole; a producer with more entries reports its first ones,
+#: the rest as tokens of unknown reuse). A record with more is refused (``too_many_entries``): the bound keeps the
+#: caller's work per record under 1 ms.
+MAX_EVICTION_ENTRIES: Final = 1024
 #: Pool names a producer may add to :data:`POOLS` (``HiCacheTelemetry(extra_pools=...)``): a bound on cardinality.
 MAX_EXTRA_POOLS: Final = 64
 
@@ -246,8 +251,8 @@ class Feed(_StrEnum):
     """What an instrument's points are made of (the emitter reads each instrument the way its row says)."""
 
     COUNTERS = "counters"  # an observable counter over the exact slot table (one slot per series)
-    TRANSFERS = "transfers"  # a histogram point per timed transfer: its copy duration, by operation and timing source
-    POINTS = "points"  # histogram points a producer call queues, by the row's attributes
+    TRANSFERS = "transfers"  # each timed transfer's copy duration, by operation and timing source, into the table
+    POINTS = "points"  # values a producer call adds to the table (Tally.observe), by the row's attributes
     POOL_USAGE = "pool_usage"  # the last pool reading: used and free slots
     POOL_LIMIT = "pool_limit"  # the last pool reading: capacity
     CAPACITY = "capacity"  # the capacity estimator's last curve per tier (otel_hicache.capacity)
@@ -432,8 +437,8 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
         METRIC_RECORDS_DROPPED,
         "counter",
         UNIT_RECORD,
-        "Records whose span and histogram point were lost (the export ring was full, or the telemetry was shut "
-        "down), and spans whose export failed; their counters are still exact.",
+        "Transfers whose span was lost (the export ring was full, or the telemetry was shut down), and spans whose "
+        "export failed; every metric of theirs is still exact.",
         (ATTR_RECORD_KIND,),
     ),
     InstrumentSpec(

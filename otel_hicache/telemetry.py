@@ -1,18 +1,20 @@
 """``HiCacheTelemetry``: the one sink every producer reports through.
 
-From each record it derives both the metric points and the span, so traces and metrics cannot disagree. The class is
-a facade over the pipeline's parts in :mod:`otel_hicache._internal`: validation, counting and refusals
-(:mod:`~otel_hicache._internal.counting`), the host-side worker and its thread (:mod:`~otel_hicache._internal.worker`)
-and the consumers of the ring (:mod:`~otel_hicache._internal.consumers`). The types an adapter holds are named here:
-:class:`DeferredQueue`, :class:`TransferSite`, :data:`Build`, :data:`PoolSource`, :data:`EngineCheck`.
+From each record it derives both the metric points and the span, so traces and metrics cannot disagree. The class is a
+facade over the pipeline's parts in :mod:`otel_hicache._internal`: validation, counting and refusals
+(:mod:`~otel_hicache._internal.host.counting`), the host-side worker and its thread
+(:mod:`~otel_hicache._internal.host.worker`) and the consumers of the ring
+(:mod:`~otel_hicache._internal.host.consumers`). The types an adapter holds are named here: :class:`DeferredQueue`,
+:class:`TransferSite`, :data:`Build`, :data:`PoolSource`, :data:`EngineCheck`.
 
 What the host process pays (the scheduler thread is latency-critical, and every thread of its process shares its GIL):
 
-* On the calling thread a record is **validated** (each field read once), its counts are added to the **exact counter
-  table** (:mod:`otel_hicache._internal.accumulation`) and the record is packed into a bounded **ring**
-  (:mod:`otel_hicache._internal.channel`): a few microseconds, no SDK call, no device sync, never a wait.
-* Spans, histogram points, OTLP encoding and export happen in the **export process**
-  (:mod:`otel_hicache._internal.export_process`) when exporting over OTLP: the host has no thread doing that work. The
+* On the calling thread a record is **validated** (each field read once), its counts and histogram values are added
+  to the **exact table** (:mod:`otel_hicache._internal.shared.accumulation`: counters, bucket counts and sums) and a
+  transfer is packed into a bounded **ring** for its span (:mod:`otel_hicache._internal.shared.channel`): a few
+  microseconds, no SDK call, no device sync, never a wait.
+* Spans, OTLP encoding and export happen in the **export process**
+  (:mod:`otel_hicache._internal.export.handle`) when exporting over OTLP: the host has no thread doing that work. The
   table and the ring live in memory the export process maps, so what the host counted is exported even after a SIGKILL.
   In-process (the embedded default, or providers handed to this class), a consumer thread does the same work in slices
   of ~50 us, pausing between them so the scheduler thread gets the GIL back.
@@ -49,15 +51,15 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanContext
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal import validation
-from otel_hicache._internal.accumulation import Layout
-from otel_hicache._internal.channel import EXPORT_DROPPED, EXPORTER_PID, HEADER_INTS, SPANS_EXPORTED, Channel
-from otel_hicache._internal.consumers import Consumer, InProcessConsumer
-from otel_hicache._internal.counting import Tally
-from otel_hicache._internal.deferred import Build, DeferredQueue
-from otel_hicache._internal.validation import Rejected
-from otel_hicache._internal.validation import Site as TransferSite
-from otel_hicache._internal.worker import EngineCheck, HostWorker, PoolSource, weakly
+from otel_hicache._internal.host import validation
+from otel_hicache._internal.host.consumers import Consumer, InProcessConsumer
+from otel_hicache._internal.host.counting import Tally
+from otel_hicache._internal.host.deferred import Build, DeferredQueue
+from otel_hicache._internal.host.validation import Rejected
+from otel_hicache._internal.host.validation import Site as TransferSite
+from otel_hicache._internal.host.worker import EngineCheck, HostWorker, PoolSource, weakly
+from otel_hicache._internal.shared.accumulation import Layout
+from otel_hicache._internal.shared.channel import EXPORT_DROPPED, EXPORTER_PID, HEADER_INTS, SPANS_EXPORTED, Channel
 from otel_hicache.capacity import MAX_SAMPLED_KEYS, CapacityFeed, Keys, TierCapacity
 from otel_hicache.records import (
     DropRecord,
@@ -281,8 +283,8 @@ class HiCacheTelemetry:
             self._tally.drop(checked, corrections)
 
     def record_eviction(self, eviction: EvictionRecord) -> None:
-        """Count one eviction pass (per entry, when it has entries: reuse, age, wasted bytes) and queue its duration
-        and ages. Never raises."""
+        """Count one eviction pass: its tokens, and per entry, when it has entries (at most
+        :data:`~otel_hicache.semconv.MAX_EVICTION_ENTRIES`), reuse, age and wasted bytes; its duration. Never raises."""
         checked = self._tally.checked(RecordKind.EVICTION, validation.eviction, eviction)
         if checked is not None:
             self._tally.eviction(checked)
@@ -290,21 +292,18 @@ class HiCacheTelemetry:
                 self._host.start()
 
     def record_kv_wait(self, wait: KvWait, request_span: Span | None = None) -> None:
-        """Queue how long one request's prefill waited for its KV from one tier (``hicache.request.kv_wait``); put it
-        on ``request_span`` (``hicache.kv_wait.<tier>``, seconds) when given, whose trace the histogram's exemplar
-        then links to. Never raises."""
+        """Count how long one request's prefill waited for its KV from one tier (``hicache.request.kv_wait``); put it
+        on ``request_span`` (``hicache.kv_wait.<tier>``, seconds) when given. Never raises."""
         checked = self._tally.checked(RecordKind.KV_WAIT, validation.kv_wait, wait)
         if checked is None:
             return
-        context = None
+        self._tally.kv_wait(checked)
         if request_span is not None:
             try:
-                context = validation.link(request_span.get_span_context())
                 if request_span.is_recording():
                     request_span.set_attribute(f"{sc.ATTR_KV_WAIT}.{checked.tier.value}", checked.seconds)
             except Exception:
-                _log.debug("otel_hicache: reading or annotating a request span failed", exc_info=True)
-        self._tally.kv_wait(checked, context)
+                _log.debug("otel_hicache: annotating a request span failed", exc_info=True)
         if not self._host.started:
             self._host.start()
 
@@ -363,8 +362,8 @@ class HiCacheTelemetry:
         return self._tally.snapshot()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Count deferred records and turn every queued record into spans and histogram points (and, exporting from
-        another process, export them), within ``timeout_s``. True if everything got through in time. (Pool sources
+        """Count deferred records and turn every queued transfer into its span (and, exporting from another process,
+        export the spans and the metrics), within ``timeout_s``. True if everything got through in time. (Pool sources
         are read by the host thread about once a second, and before each in-process collection.)"""
         return self._host.flush(timeout_s)
 

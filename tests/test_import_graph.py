@@ -1,4 +1,5 @@
-"""The package's import graph: no cycle anywhere, and the pipeline's mechanism behind its facades.
+"""The package's import graph: no cycle anywhere, the pipeline's mechanism behind its facades, and its folders by
+process importing only what their process may.
 
 Every ``import`` of every module of ``otel_hicache`` counts, wherever it stands: at module level, in a function (a
 lazy import), under ``TYPE_CHECKING``. ``from package import name`` is an edge to the submodule when ``name`` is one,
@@ -16,6 +17,15 @@ PACKAGE = Path(otel_hicache.__file__).parent
 INTERNAL = "otel_hicache._internal"
 #: The public modules that may import the internal subpackage: they are the API over it.
 FACADES = {"otel_hicache.telemetry", "otel_hicache.sdk"}
+#: Each folder of the internal subpackage, by where it runs, and the folders it may import besides itself: the shared
+#: formats nothing of either process; what both build the formats; the export process nothing of the host side; the
+#: host side all of them (it launches and tends the export process through its handle).
+MAY_IMPORT = {
+    "shared": set(),
+    "emit": {"shared"},
+    "export": {"shared", "emit"},
+    "host": {"shared", "emit", "export"},
+}
 
 
 def modules() -> dict[str, Path]:
@@ -92,6 +102,24 @@ def test_only_the_facades_import_the_internal_subpackage() -> None:
         if not module.startswith(INTERNAL) and any(target.startswith(INTERNAL) for target in imported)
     }
     assert importers == FACADES
+
+
+def test_each_internal_folder_imports_only_what_its_process_may() -> None:
+    edges = graph()
+    folders = {name.split(".")[2] for name in edges if name.startswith(f"{INTERNAL}.")}
+    assert folders == set(MAY_IMPORT)  # every module of the internal subpackage lives in one of the folders
+    for module, imported in edges.items():
+        if not module.startswith(f"{INTERNAL}."):
+            continue
+        folder = module.split(".")[2]
+        reached = {target.split(".")[2] for target in imported if target.startswith(f"{INTERNAL}.")}
+        assert reached <= MAY_IMPORT[folder] | {folder}, f"{module} imports {sorted(reached - MAY_IMPORT[folder])}"
+    assert f"{INTERNAL}.export.handle" in edges[f"{INTERNAL}.host.fork"]  # the one module owning every at-fork hook
+
+
+def test_every_at_fork_hook_is_registered_in_one_module() -> None:
+    registering = {name for name, path in modules().items() if "register_at_fork" in path.read_text()}
+    assert registering == {f"{INTERNAL}.host.fork"}
 
 
 def test_the_graph_sees_every_kind_of_import() -> None:

@@ -176,7 +176,7 @@ def test_the_wheel_ships_no_testing_code_and_requires_only_the_core(tmp_path: Pa
         names = archive.namelist()
         (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         metadata = archive.read(meta).decode()
-    assert "otel_hicache/telemetry.py" in names and "otel_hicache/_internal/worker.py" in names
+    assert "otel_hicache/telemetry.py" in names and "otel_hicache/_internal/host/worker.py" in names
     assert not [n for n in names if n.startswith("otel_hicache/testing")]
     requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     core = {re.split(r"[ <>=\[;]", r, maxsplit=1)[0] for r in requires if "extra ==" not in r}

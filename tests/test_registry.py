@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal.emitter import transfer_span_attributes
+from otel_hicache._internal.emit.emitter import transfer_span_attributes
 from otel_hicache.records import TransferRecord
 from otel_hicache.version import __version__
 

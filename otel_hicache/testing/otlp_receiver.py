@@ -1,8 +1,10 @@
 """An in-process OTLP receiver (gRPC and HTTP/protobuf) for tests and benchmarks.
 
 The real OTel exporters deliver to it over real sockets on 127.0.0.1; it decodes the protobuf requests and keeps
-them, so a test can compare what arrived with what was recorded. ``delay_s`` makes it a slow receiver;
-``stop()`` / ``start()`` on the same port simulate a collector restart.
+them, so a test can compare what arrived with what was recorded. The faults a collector has: ``delay_s`` makes it a
+slow receiver; ``stop()`` / ``start()`` on the same ports a collector that is down, then back; ``fail(status)`` one
+that answers every export with an error (gRPC ``status``; HTTP 500) and keeps nothing; ``black_hole()`` one that
+accepts connections on its ports and never answers.
 
     >>> from otel_hicache.testing.otlp_receiver import OtlpReceiver
     >>> with OtlpReceiver() as rx:
@@ -12,6 +14,8 @@ them, so a test can compare what arrived with what was recorded. ``delay_s`` mak
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -43,6 +47,7 @@ class OtlpReceiver:
         self._http_port = http_port
         self._grpc: grpc.Server | None = None
         self._http: ThreadingHTTPServer | None = None
+        self._failing: grpc.StatusCode | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self: _Receiver) -> _Receiver:
@@ -50,11 +55,17 @@ class OtlpReceiver:
 
         class Traces(trace_service_pb2_grpc.TraceServiceServicer):
             def Export(self, request: Any, context: Any) -> Any:
+                failing = receiver._failing
+                if failing is not None:
+                    context.abort(failing, "the test's collector refuses every export")
                 receiver._keep(request, dict(context.invocation_metadata()))
                 return trace_service_pb2.ExportTraceServiceResponse()
 
         class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
             def Export(self, request: Any, context: Any) -> Any:
+                failing = receiver._failing
+                if failing is not None:
+                    context.abort(failing, "the test's collector refuses every export")
                 receiver._keep(request, dict(context.invocation_metadata()))
                 return metrics_service_pb2.ExportMetricsServiceResponse()
 
@@ -75,6 +86,9 @@ class OtlpReceiver:
                     response = metrics_service_pb2.ExportMetricsServiceResponse()
                 else:
                     self.send_error(404)
+                    return
+                if receiver._failing is not None:
+                    self.send_error(500)
                     return
                 if self.headers.get("Content-Encoding") == "gzip":
                     import gzip
@@ -107,6 +121,42 @@ class OtlpReceiver:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+    def fail(self, status: grpc.StatusCode | None) -> None:
+        """Answer every export with ``status`` from now on (HTTP: 500), keeping nothing; None: answer again."""
+        self._failing = status
+
+    @contextlib.contextmanager
+    def black_hole(self) -> Iterator[None]:
+        """Within the block, the receiver is stopped and its ports held by listeners that accept connections and never
+        answer (no error, no progress: the worst collector); then it starts again on the same ports."""
+        self.stop()
+        listeners, held = [], []
+        for port in (self._grpc_port, self._http_port):
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", port))
+            listener.listen(64)
+            listener.settimeout(0.1)
+            listeners.append(listener)
+        stop = threading.Event()
+
+        def accept() -> None:
+            while not stop.is_set():
+                for listener in listeners:
+                    with contextlib.suppress(OSError):
+                        held.append(listener.accept()[0])
+
+        thread = threading.Thread(target=accept, name="otlp-black-hole", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            for held_socket in (*held, *listeners):
+                held_socket.close()
+            self.start()
 
     def __enter__(self: _Receiver) -> _Receiver:
         return self.start()

@@ -1,4 +1,4 @@
-"""The in-process consumer (``_internal.consumers.InProcessConsumer``): the host thread's drain works in slices and
+"""The in-process consumer (``_internal.host.consumers.InProcessConsumer``): the host thread's drain works in slices and
 says whether more is waiting; a flush empties the ring; what was taken is settled, so its slots are free again."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal import validation
-from otel_hicache._internal.accumulation import Layout
-from otel_hicache._internal.channel import HEADER_INTS, Channel
-from otel_hicache._internal.consumers import InProcessConsumer
+from otel_hicache._internal.host import validation
+from otel_hicache._internal.host.consumers import InProcessConsumer
+from otel_hicache._internal.shared.accumulation import Layout
+from otel_hicache._internal.shared.channel import HEADER_INTS, Channel
 from otel_hicache.records import TransferRecord
 from otel_hicache.semconv import TransferOperation
 

@@ -1,6 +1,6 @@
-"""Counting and refusals (``_internal.counting.Tally``): a checked record's counts land in its slots of the exact
-table and its span or points on the ring, all or nothing; what is refused, corrected or lost is counted and said
-once."""
+"""Counting and refusals (``_internal.host.counting.Tally``): a checked record's counts land in its slots of the exact
+table (counters, histogram buckets and sums) and a transfer's span on the ring, all or nothing; what is refused,
+corrected or lost is counted and said once."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import logging
 import pytest
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal import validation
-from otel_hicache._internal.accumulation import Layout
-from otel_hicache._internal.channel import HEADER_INTS, Channel, Points
-from otel_hicache._internal.counting import Tally
+from otel_hicache._internal.host import validation
+from otel_hicache._internal.host.counting import Tally
+from otel_hicache._internal.shared.accumulation import Layout
+from otel_hicache._internal.shared.channel import HEADER_INTS, Channel
 from otel_hicache.records import DropRecord, EvictedEntry, EvictionRecord, TransferRecord
 from otel_hicache.semconv import DropReason, Problem, RecordKind, Tier, TimingSource, TransferOperation
 
@@ -43,6 +43,25 @@ def test_a_transfer_adds_its_tokens_and_bytes_to_its_series_and_queues_its_span(
     (queued,) = counts.channel.take(10)
     assert isinstance(queued, TransferRecord)
     assert (queued.tokens_by_pool, queued.num_bytes, queued.copy_duration_s) == ({"kv": 256, "swa": 64}, 8192, 0.002)
+    (duration,) = counts.channel.counters.histogram(sc.METRIC_TRANSFER_DURATION)
+    assert duration.attributes == {sc.ATTR_OPERATION: "backup", sc.ATTR_TIMING_SOURCE: "host_clock"}
+    assert (duration.count, duration.sum) == (1, 0.002)
+    assert duration.bucket_counts[sc.TRANSFER_DURATION_BUCKETS.index(0.0025)] == 1  # 0.001 < 0.002 <= 0.0025
+
+
+def test_a_histogram_counts_each_value_in_the_buckets_of_the_sdk_rule_and_sums_them() -> None:
+    counts = tally()
+    bounds = sc.KV_WAIT_BUCKETS
+    values = [0.0, bounds[0], bounds[0] * 1.5, bounds[-1], bounds[-1] * 2]  # on a boundary: the bucket it closes
+    for value in values:
+        counts.kv_wait(validation.Wait(Tier.HOST, value, 1))
+    (series,) = counts.channel.counters.histogram(sc.METRIC_REQUEST_KV_WAIT)
+    expected = [0] * (len(bounds) + 1)
+    for i in (0, 0, 1, len(bounds) - 1, len(bounds)):
+        expected[i] += 1
+    assert series.bucket_counts == tuple(expected)
+    assert (series.count, series.sum) == (5, sum(values))
+    assert counts.channel.take(10) == []  # the ring carries no metric
 
 
 def test_a_count_past_int64_leaves_every_series_as_it_was_and_is_refused() -> None:
@@ -89,11 +108,14 @@ def test_an_eviction_counts_each_entry_by_reuse_the_rest_as_unknown_and_the_unre
     assert evicted == {("host", True): 32, ("host", False): 32, ("host", None): 36}
     assert snap[sc.METRIC_WASTED_SIZE][("backup",)] == 1024
     assert snap[sc.METRIC_WASTED_SIZE][("storage_prefetch",)] == 512
-    points = counts.channel.take(10)
-    assert points == [
-        Points(sc.METRIC_EVICTION_DURATION, (Tier.HOST,), (0.003,), None),
-        Points(sc.METRIC_EVICTION_AGE, (Tier.HOST,), (4.0, 9.0), None),
-    ]
+    histograms = counts.channel.counters
+    ((duration,), (ages,)) = (
+        histograms.histogram(sc.METRIC_EVICTION_DURATION),
+        histograms.histogram(sc.METRIC_EVICTION_AGE),
+    )
+    assert (duration.attributes, duration.count, duration.sum) == ({sc.ATTR_TIER: "host"}, 1, 0.003)
+    assert (ages.count, ages.sum) == (2, 13.0)
+    assert counts.channel.take(10) == []
 
 
 def test_corrections_are_counted_with_the_record_and_each_refusal_is_said_once(

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from otel_hicache._internal.plan import ExportPlan
+from otel_hicache._internal.shared.plan import ExportPlan
 
 PLAN = ExportPlan(
     environment={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_BSP_SCHEDULE_DELAY": "50"},
@@ -31,7 +31,7 @@ def test_a_plan_is_read_before_anything_imports_the_otel_api() -> None:
     """The exporter sets its environment from the plan: the OTel API reads OTEL_PYTHON_CONTEXT on import."""
     script = (
         "import sys\n"
-        "from otel_hicache._internal.plan import ExportPlan\n"
+        "from otel_hicache._internal.shared.plan import ExportPlan\n"
         "plan = ExportPlan.from_json(sys.stdin.buffer.read())\n"
         "print(plan.capacity, sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
     )

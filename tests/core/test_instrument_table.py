@@ -1,5 +1,5 @@
 """Adding an instrument is one row of ``semconv.INSTRUMENTS`` plus the producer call that feeds it: the slot table,
-its seeds, the ring, the Views and the exported instruments all follow from the row.
+its seeds, the histogram blocks, the Views and the exported instruments all follow from the row.
 
 Shown in a fresh interpreter that adds two rows before the pipeline is imported - a counter with seeds and a
 histogram fed by points on two attributes - and feeds them the way a producer method of the telemetry would."""
@@ -29,20 +29,19 @@ SCRIPT = textwrap.dedent(
     seeded = sdk.points("hicache.test.prefetch.aborted")
     tally = sdk.telemetry._tally  # what a new record_... method of the telemetry would call
     tally.add([(tally.layout.slots["hicache.test.prefetch.aborted"][("storage", "swa")], 7)])
-    with tally.lock:
-        queued = tally.channel.put_points("hicache.test.queue.wait", (sc.TransferOperation.BACKUP, sc.Tier.HOST),
-                                          [0.05, 0.5], 1, None)
+    for value in (0.05, 0.5):
+        tally.observe("hicache.test.queue.wait", (sc.TransferOperation.BACKUP, sc.Tier.HOST), value)
     counted = {str(sorted(k)): p.value for k, p in sdk.points("hicache.test.prefetch.aborted").items()}
     waits = sdk.points("hicache.test.queue.wait")
-    waits = {str(sorted(k)): (p.count, list(p.explicit_bounds)) for k, p in waits.items()}
-    print(json.dumps({"seeded": {str(sorted(k)): p.value for k, p in seeded.items()}, "queued": queued,
+    waits = {str(sorted(k)): (p.count, list(p.explicit_bounds), list(p.bucket_counts)) for k, p in waits.items()}
+    print(json.dumps({"seeded": {str(sorted(k)): p.value for k, p in seeded.items()},
                       "counted": counted, "waits": waits}))
     sdk.shutdown()
     """
 )
 
 
-def test_a_new_row_is_counted_seeded_carried_by_the_ring_and_exported_with_no_other_change() -> None:
+def test_a_new_row_is_counted_seeded_accumulated_and_exported_with_no_other_change() -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
@@ -51,5 +50,4 @@ def test_a_new_row_is_counted_seeded_carried_by_the_ring_and_exported_with_no_ot
     assert got["seeded"] == {storage_kv: 0, storage_swa: 0}  # the row's seeds: storage x the seeded pools
     assert got["counted"] == {storage_kv: 0, storage_swa: 7}
     backup_host = str(sorted({"hicache.operation": "backup", "hicache.tier": "host"}.items()))
-    assert got["queued"] is True
-    assert got["waits"] == {backup_host: [2, [0.001, 0.1, 1.0]]}  # the row's attributes and buckets
+    assert got["waits"] == {backup_host: [2, [0.001, 0.1, 1.0], [0, 1, 1, 0]]}  # the row's attributes and buckets

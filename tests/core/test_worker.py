@@ -1,4 +1,4 @@
-"""The host-side worker (``_internal.worker.HostWorker``): on its own thread it builds deferred records oldest
+"""The host-side worker (``_internal.host.worker.HostWorker``): on its own thread it builds deferred records oldest
 first, reads pool sources and runs engine checks; reads of the counters wait for what is queued; closing counts what
 was never built; a worker nobody holds ends its thread."""
 
@@ -14,12 +14,12 @@ import pytest
 from opentelemetry import metrics, trace
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal import validation
-from otel_hicache._internal.accumulation import Layout
-from otel_hicache._internal.channel import HEADER_INTS
-from otel_hicache._internal.consumers import InProcessConsumer
-from otel_hicache._internal.counting import Tally
-from otel_hicache._internal.worker import HOST_THREAD_NAME, TEND_INTERVAL_S, HostWorker, weakly
+from otel_hicache._internal.host import validation
+from otel_hicache._internal.host.consumers import InProcessConsumer
+from otel_hicache._internal.host.counting import Tally
+from otel_hicache._internal.host.worker import HOST_THREAD_NAME, TEND_INTERVAL_S, HostWorker, weakly
+from otel_hicache._internal.shared.accumulation import Layout
+from otel_hicache._internal.shared.channel import HEADER_INTS
 from otel_hicache.records import PoolUsage, TransferRecord
 from otel_hicache.semconv import Tier, TransferOperation
 

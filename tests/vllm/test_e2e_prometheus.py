@@ -40,7 +40,7 @@ NOT_FROM_VLLM_PANELS = {
     "Prefill tokens: computed vs hit per tier",
     "Dropped tokens by reason and pool",
     "Drop ratio",
-    "Request KV wait p50 / p99, by tier (exemplars link to the request)",
+    "Request KV wait p50 / p99, by tier",
 }
 NOT_FROM_VLLM_RULES = {
     "hicache:prefill_hit_ratio:rate5m",

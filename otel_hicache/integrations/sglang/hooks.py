@@ -63,6 +63,7 @@ from otel_hicache.records import (
 from otel_hicache.semconv import (
     ATTR_PREFIX_TOKENS,
     DEFAULT_POOL,
+    MAX_EVICTION_ENTRIES,
     METRIC_DROPPED_TOKENS,
     METRIC_EVICTION_TOKENS,
     METRIC_TRANSFER_SIZE,
@@ -739,16 +740,12 @@ class _Evictions:
 
     def add(self, entry: EvictedEntry) -> None:
         stack = self._stack()
-        if stack and len(stack[-1][0]) < MAX_ENTRIES:
+        if stack and len(stack[-1][0]) < MAX_EVICTION_ENTRIES:  # the first ones; the pass's total stays exact
             stack[-1][0].append(entry)
 
     def bytes_per_token(self) -> int:
         stack = self._stack()
         return stack[-1][1] if stack else 0
-
-
-#: Entries kept per eviction pass (a pass over a huge tree reports its first ones; its total stays exact).
-MAX_ENTRIES = 1024
 
 
 class _AccessClock:

@@ -15,7 +15,7 @@ carries from the frontend to the engine core and back. That carrier is how the a
   ``hicache.prefill.tokens``; when it loads KV, the start of its wait;
 * scheduler, ``Scheduler._update_waiting_for_remote_kv``: the request leaves ``WAITING_FOR_REMOTE_KVS``, the state in
   which vLLM keeps a request while the connector loads its KV: ``hicache.request.kv_wait{tier}`` is that interval
-  (its exemplar: the request's trace). A request that loaded nothing waited for nothing and records nothing;
+  (on the request's span too). A request that loaded nothing waited for nothing and records nothing;
 * scheduler, ``OffloadingConnectorScheduler.build_connector_meta``: each load and store job of a traced request
   carries the request span's context to the worker (an attribute of the connector metadata, which vLLM pickles to its
   workers); the transfer span links to it;

@@ -1,24 +1,27 @@
 """Counting and refusals: the producer side of a telemetry's channel.
 
-A :class:`Tally` adds the counts of each checked record (:mod:`otel_hicache._internal.validation`) to the channel's
-exact int64 slot table and queues its span or histogram points on the ring, under one lock, from any thread; a count
-past int64 leaves the table as it was, and a record whose span or points the ring cannot take still counts
-(``otel_hicache.records.dropped``). It counts what was refused (``otel_hicache.records.rejected``) or corrected
-(``otel_hicache.records.normalized``) too, and says so once per kind of problem. Slot numbers are looked up in tables
-built once from the layout: the hot path indexes dicts and never builds a key.
+A :class:`Tally` adds the counts and histogram values of each checked record
+(:mod:`otel_hicache._internal.host.validation`) to the channel's exact table and queues a transfer's span on the ring,
+under one lock, from any thread; a count past int64 leaves the table as it was, and a transfer whose span the ring
+cannot take still counts (``otel_hicache.records.dropped``). A histogram value costs a bucket search (``bisect`` over
+the row's boundaries, outside the lock) and two adds under it: the bucket's count and the float64 sum. It counts what
+was refused (``otel_hicache.records.rejected``) or corrected (``otel_hicache.records.normalized``) too, and says so once
+per kind of problem. Slot numbers are looked up in tables built once from the layout: the hot path indexes dicts and
+never builds a key.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal.accumulation import Layout
-from otel_hicache._internal.channel import Channel
-from otel_hicache._internal.validation import Drop, Eviction, Failure, Link, Pools, Rejected, Transfer, Wait
+from otel_hicache._internal.host.validation import Drop, Eviction, Failure, Pools, Rejected, Transfer, Wait
+from otel_hicache._internal.shared.accumulation import HISTOGRAM_BUCKETS, HISTOGRAM_SUM, Key, Layout
+from otel_hicache._internal.shared.channel import Channel
 from otel_hicache.semconv import PrefillMode, Problem, RecordKind
 
 _log = logging.getLogger("otel_hicache.telemetry")
@@ -29,7 +32,7 @@ class Tally:
     """The slot table and the ring's producer side of one telemetry (see the module docstring).
 
     ``known``: the pool names records may carry (each mapped to itself), the rest counts as ``other``. ``closed``:
-    the telemetry is shut down; records still count, their spans and points are dropped and counted. ``channel`` is
+    the telemetry is shut down; records still count, their spans are dropped and counted. ``channel`` is
     the memory counted into, given by :meth:`bind` and replaced by :meth:`swap` (the worker's: private memory, shared
     memory once it can be had, a forked child's own).
     """
@@ -46,11 +49,18 @@ class Tally:
         # per operation (and timing source): the hot path looks a slot up by pool alone
         tokens, sizes = slots[sc.METRIC_TRANSFER_TOKENS], slots[sc.METRIC_TRANSFER_SIZE]
         self._token_slots = {op: {pool: tokens[op, pool] for pool in layout.pools} for op in sc.TransferOperation}
+        # and per (operation, timing source) the duration's series: its sum and its first bucket
+        durations = layout.histograms[sc.METRIC_TRANSFER_DURATION]
         self._size_slots = {
-            (op, source): {pool: sizes[op, pool, source] for pool in (None, *layout.pools)}
+            (op, source): (
+                {pool: sizes[op, pool, source] for pool in (None, *layout.pools)},
+                durations[op, source] + HISTOGRAM_SUM,
+                durations[op, source] + HISTOGRAM_BUCKETS,
+            )
             for op in sc.TransferOperation
             for source in sc.TimingSource
         }
+        self._duration_bounds = layout.bounds[sc.METRIC_TRANSFER_DURATION]
         self._failure_slot = slots[sc.METRIC_TRANSFER_FAILURES]
         self._drop_slot = slots[sc.METRIC_DROPPED_TOKENS]
         self._evicted_slot = slots[sc.METRIC_EVICTION_TOKENS]
@@ -63,7 +73,7 @@ class Tally:
 
     def bind(self, channel: Channel) -> None:
         """Count into ``channel`` (no record is counted meanwhile: construction, a forked child)."""
-        self.channel, self._ints = channel, channel.ints
+        self.channel, self._ints, self._floats = channel, channel.ints, channel.floats
 
     def swap(self, make: Callable[[Channel], Channel]) -> Channel:
         """Count into ``make(channel)`` from now on, made under the lock (so it holds every count so far); the old
@@ -79,16 +89,22 @@ class Tally:
 
     # ------------------------------------------------------------------ checked records
     def transfer(self, t: Transfer) -> None:
-        """Count a checked transfer and queue its span (the hot path)."""
-        by_pool, corrections = t.bytes_by_pool, t.corrections
-        token_slots, size_slots = self._token_slots[t.operation], self._size_slots[t.operation, t.timing_source]
+        """Count a checked transfer, add its copy duration to its histogram series and queue its span (the hot
+        path)."""
+        by_pool, corrections, seconds = t.bytes_by_pool, t.corrections, t.copy_duration_s
+        token_slots = self._token_slots[t.operation]
+        size_slots, sum_slot, buckets = self._size_slots[t.operation, t.timing_source]
         # the common case without a comprehension (in 3.11 one more Python frame per transfer)
         adds = [(size_slots[None], t.num_bytes)] if by_pool is None else [(size_slots[p], n) for p, n in by_pool]
         for pool, n in t.tokens:
             adds.append((token_slots[pool], n))
+        if seconds is not None:  # the count of its bucket, with the other counts; its sum below
+            adds.append((buckets + bisect_left(self._duration_bounds, seconds), 1))
         with self.lock:
             counted = self._apply(adds)
             if counted:
+                if seconds is not None:
+                    self._floats[sum_slot] += seconds
                 try:  # a slot is published only once whole: a failure leaves the ring as it was
                     queued = not self.closed and self.channel.put_transfer(t)
                 except Exception:
@@ -123,42 +139,44 @@ class Tally:
             self.warn_once(RecordKind.DROP, problem, "record corrected and counted")
 
     def eviction(self, eviction: Eviction) -> None:
-        """Count a pass (per entry: reuse, wasted bytes) and queue its duration and the entries' ages."""
-        tier, entries = eviction.tier, eviction.entries
-        by_reuse: dict[bool | None, int] = {}
-        adds: list[tuple[int, int]] = []
-        for entry in entries:
-            by_reuse[entry.reused] = by_reuse.get(entry.reused, 0) + entry.tokens
-            if entry.unread_bytes:
-                adds.append((self._wasted_slot[(entry.written_by,)], entry.unread_bytes))
-        unknown = eviction.tokens - sum(by_reuse.values())  # tokens of the pass no entry accounts for
-        if unknown or not by_reuse:
-            by_reuse[None] = by_reuse.get(None, 0) + unknown
-        adds += [(self._evicted_slot[(tier, reused)], n) for reused, n in by_reuse.items()]
-        ages = [entry.idle_s for entry in entries if entry.idle_s is not None]
+        """Count a pass (its tokens by reuse, wasted bytes) and add its duration and its entries' ages to their
+        histogram series."""
+        tier, ages = eviction.tier, eviction.ages
+        adds = [(self._evicted_slot[(tier, reused)], n) for reused, n in eviction.tokens_by_reuse.items()]
+        adds += [(self._wasted_slot[(op,)], n) for op, n in eviction.unread_bytes.items()]
+        bucket, duration_sum_slot = self._point(sc.METRIC_EVICTION_DURATION, (tier,), eviction.duration_s)
+        adds.append((bucket, 1))
+        age_sum_slot, age_sum = -1, 0.0
+        if ages:  # the ages as counts per bucket, added with the pass's counts; their sum as one float
+            base = self.layout.histograms[sc.METRIC_EVICTION_AGE][(tier,)]
+            counts = self.layout.bucket_counts(sc.METRIC_EVICTION_AGE, ages)
+            adds += [(base + HISTOGRAM_BUCKETS + i, n) for i, n in enumerate(counts) if n]
+            age_sum_slot, age_sum = base + HISTOGRAM_SUM, sum(ages)
         with self.lock:
-            if not self._apply(adds):
-                queued = None
-            else:
-                time_ns = eviction.time_ns
-                queued = self._put_points(sc.METRIC_EVICTION_DURATION, (tier,), [eviction.duration_s], time_ns, None)
-                if ages and queued:
-                    queued = self._put_points(sc.METRIC_EVICTION_AGE, (tier,), ages, time_ns, None)
-                if not queued:
-                    self._ints[self._dropped_slot[(RecordKind.EVICTION,)]] += 1
-        if queued is None:
+            counted = self._apply(adds)
+            if counted:
+                self._floats[duration_sum_slot] += eviction.duration_s
+                if ages:
+                    self._floats[age_sum_slot] += age_sum
+        if not counted:
             self.reject(RecordKind.EVICTION, Problem.ABSURD_COUNT)
-        elif not queued:
-            self._span_lost(RecordKind.EVICTION)
 
-    def kv_wait(self, wait: Wait, context: Link | None) -> None:
-        """Queue a request's wait (its histogram point; ``context``: the request's span, for the exemplar)."""
+    def kv_wait(self, wait: Wait) -> None:
+        """Add a request's wait to its histogram series."""
+        self.observe(sc.METRIC_REQUEST_KV_WAIT, (wait.tier,), wait.seconds)
+
+    def observe(self, name: str, key: Key, value: float) -> None:
+        """Add ``value`` to the series ``key`` (its attributes' values, in its row's order) of histogram ``name``: what
+        a producer call of a new histogram row does. KeyError for a value outside its attribute's closed set."""
+        bucket, sum_slot = self._point(name, key, value)
         with self.lock:
-            queued = self._put_points(sc.METRIC_REQUEST_KV_WAIT, (wait.tier,), [wait.seconds], wait.time_ns, context)
-            if not queued:
-                self._ints[self._dropped_slot[(RecordKind.KV_WAIT,)]] += 1
-        if not queued:
-            self._span_lost(RecordKind.KV_WAIT)
+            if self._apply([(bucket, 1)]):
+                self._floats[sum_slot] += value
+
+    def _point(self, name: str, key: Key, value: float) -> tuple[int, int]:
+        """Where ``value`` goes: the slots of its bucket's count and of its series' sum (found outside the lock)."""
+        base = self.layout.histograms[name][key]
+        return base + HISTOGRAM_BUCKETS + bisect_left(self.layout.bounds[name], value), base + HISTOGRAM_SUM
 
     def prefill(self, counts: dict[PrefillMode, int]) -> None:
         self.add([(self._prefill_slot[(mode,)], n) for mode, n in counts.items()])
@@ -260,12 +278,3 @@ class Tally:
                 ints[slot] -= n
             return False
         return True
-
-    def _put_points(
-        self, name: str, key: tuple[Any, ...], values: list[float], time_ns: int, context: Link | None
-    ) -> bool:
-        """Queue histogram points of the series ``key`` (under the lock); False when they could not be queued."""
-        try:  # all or nothing: a failure leaves the ring as it was
-            return not self.closed and self.channel.put_points(name, key, values, time_ns, context)
-        except Exception:
-            return False

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 from opentelemetry.trace import SpanContext
 
 from otel_hicache import semconv as sc
+from otel_hicache._internal.shared.channel import MAX_LABEL_BYTES, Link, Transfer
 from otel_hicache.records import (
     DropRecord,
     EvictedEntry,
@@ -33,10 +34,6 @@ MAX_BYTES = 1 << 50
 MAX_DURATION_S = 86_400.0
 #: The oldest an evicted entry may have been idle (a year): older is a clock mix-up, not an age.
 MAX_AGE_S = 365 * 86_400.0
-#: Entries one eviction record may detail.
-MAX_ENTRIES = 1 << 20
-#: Longest write policy / io backend kept on a span, in UTF-8 bytes.
-MAX_LABEL_BYTES = 32
 
 OPERATIONS: dict[str, TransferOperation] = {op.value: op for op in TransferOperation}
 REASONS: dict[str, DropReason] = {r.value: r for r in DropReason}
@@ -59,34 +56,6 @@ class Rejected(Exception):
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem.value)
         self.problem = problem
-
-
-class Link(NamedTuple):
-    """A link to a request span, as plain values."""
-
-    trace_id: int
-    span_id: int
-    trace_flags: int
-    is_remote: bool
-
-
-class Transfer(NamedTuple):
-    """A checked transfer: every count an ``int``, pools known (or ``other``), links valid."""
-
-    operation: TransferOperation
-    tokens: list[tuple[str, int]]  # (pool, tokens), pools unique
-    num_bytes: int
-    bytes_by_pool: list[tuple[str, int]] | None
-    submit_time_ns: int
-    complete_time_ns: int
-    copy_duration_s: float | None
-    timing_source: TimingSource  # NONE exactly when copy_duration_s is None
-    merged_ops: int
-    node_count: int
-    write_policy: str | None
-    io_backend: str | None
-    links: tuple[Link, ...]
-    corrections: tuple[Problem, ...]  # what was normalized, each counted once for this record
 
 
 _new_transfer = tuple.__new__  # a Transfer made in C: a NamedTuple's own __new__ is one more Python frame
@@ -259,21 +228,21 @@ def transfer(record: Any, known: Pools) -> Transfer:
     corrections: list[Problem] = []
     policy, backend = _label(policy, corrections), _label(backend, corrections)
     return _transfer(
-        op,
-        timing,
-        policy,
-        backend,
-        corrections,
-        known,
-        tokens_by_pool,
-        num_bytes,
-        bytes_by_pool,
-        submit,
-        complete,
-        copy_s,
-        merged,
-        nodes,
-        links,
+        operation=op,
+        timing_source=timing,
+        write_policy=policy,
+        io_backend=backend,
+        corrections=corrections,
+        known=known,
+        tokens_by_pool=tokens_by_pool,
+        num_bytes=num_bytes,
+        bytes_by_pool=bytes_by_pool,
+        submit_time_ns=submit,
+        complete_time_ns=complete,
+        copy_duration_s=copy_s,
+        merged_ops=merged,
+        node_count=nodes,
+        links=links,
     )
 
 
@@ -296,21 +265,20 @@ def transfer_at(
         _last_site[0] = at
     op, timing, policy, backend, corrections = at
     return _transfer(
-        op,
-        timing,
-        policy,
-        backend,
-        list(corrections),
-        known,
-        tokens_by_pool,
-        num_bytes,
-        None,
-        submit,
-        complete,
-        copy_s,
-        merged,
-        nodes,
-        links,
+        operation=op,
+        timing_source=timing,
+        write_policy=policy,
+        io_backend=backend,
+        corrections=list(corrections),
+        known=known,
+        tokens_by_pool=tokens_by_pool,
+        num_bytes=num_bytes,
+        submit_time_ns=submit,
+        complete_time_ns=complete,
+        copy_duration_s=copy_s,
+        merged_ops=merged,
+        node_count=nodes,
+        links=links,
     )
 
 
@@ -349,23 +317,28 @@ def _member(table: Mapping[str, _Member], value: Any, problem: Problem) -> _Memb
 
 
 def _transfer(
-    op: TransferOperation,
-    timing: TimingSource,
-    policy: str | None,
-    backend: str | None,
+    *,
+    operation: TransferOperation,
+    timing_source: TimingSource,
+    write_policy: str | None,
+    io_backend: str | None,
     corrections: list[Problem],
     known: Pools,
     tokens_by_pool: Any,
     num_bytes: Any,
-    bytes_by_pool: Any,
-    submit: Any,
-    complete: Any,
-    copy_s: Any,
-    merged: Any,
-    nodes: Any,
+    bytes_by_pool: Any = None,
+    submit_time_ns: Any,
+    complete_time_ns: Any,
+    copy_duration_s: Any,
+    merged_ops: Any,
+    node_count: Any,
     links: Any,
 ) -> Transfer:
-    """The checks of a transfer's own values, inline for the plain case: this runs for every transfer."""
+    """The checks of a transfer's own values, inline for the plain case: this runs for every transfer. The checked
+    values (``operation`` to ``known``) are taken as they are; the rest are the producer's, checked here."""
+    op, timing, policy, backend = operation, timing_source, write_policy, io_backend
+    submit, complete, copy_s = submit_time_ns, complete_time_ns, copy_duration_s
+    merged, nodes = merged_ops, node_count
     tokens = pool_counts(tokens_by_pool, known, MAX_TOKENS, corrections)
     total_bytes = num_bytes if type(num_bytes) is int and 0 <= num_bytes <= MAX_BYTES else count(num_bytes, MAX_BYTES)
     pool_bytes = None
@@ -443,24 +416,16 @@ def drop(record: Any, known: Pools, corrections: list[Problem]) -> Drop:
     return Drop(reason, pool_counts(record.tokens_by_pool, known, MAX_TOKENS, corrections))
 
 
-class Entry(NamedTuple):
-    """A checked :class:`~otel_hicache.records.EvictedEntry`."""
-
-    tokens: int
-    idle_s: float | None
-    reused: bool | None
-    unread_bytes: int
-    written_by: TransferOperation
-
-
 class Eviction(NamedTuple):
-    """A checked eviction pass."""
+    """A checked eviction pass, its entries summed up: what the counters and histograms need, nothing per entry."""
 
     tier: Tier
     tokens: int
     duration_s: float
     time_ns: int
-    entries: list[Entry]
+    tokens_by_reuse: dict[bool | None, int]  # None: unknown (the pass's tokens no entry accounts for included)
+    unread_bytes: dict[TransferOperation, int]  # bytes evicted unread, by the operation that wrote them
+    ages: list[float]  # the entries' idle times, where known
 
 
 #: What wrote the bytes of an entry evicted from a tier, when the producer does not say.
@@ -472,18 +437,44 @@ WRITTEN_BY: dict[Tier, TransferOperation] = {
 
 
 def eviction(record: Any) -> Eviction:
-    """A checked :class:`~otel_hicache.records.EvictionRecord`, its entries included (read once)."""
+    """A checked :class:`~otel_hicache.records.EvictionRecord`, its entries read once and summed up. At most
+    :data:`~otel_hicache.semconv.MAX_EVICTION_ENTRIES` entries (more: ``too_many_entries``), each checked inline in
+    the plain case (ints, a float or None, a bool or None), so the largest pass costs its caller well under 1 ms."""
     if not isinstance(record, EvictionRecord):
         raise Rejected(Problem.MALFORMED)
     tier = _member(TIERS, record.tier, Problem.UNKNOWN_TIER)
     tokens = count(record.num_tokens)
-    entries = [_entry(entry, tier) for entry in _sequence(record.entries, MAX_ENTRIES)]
-    if sum(entry.tokens for entry in entries) > tokens:
+    written_by = WRITTEN_BY[tier]
+    by_reuse: dict[bool | None, int] = {}
+    unread_bytes: dict[TransferOperation, int] = {}
+    ages: list[float] = []
+    for entry in _entries(record.entries):
+        if not isinstance(entry, EvictedEntry):
+            raise Rejected(Problem.MALFORMED)
+        n, idle_s, reused, unread, by = entry
+        if type(n) is not int or not 0 <= n <= MAX_TOKENS:
+            n = count(n)
+        if idle_s is not None:
+            ages.append(idle_s if type(idle_s) is float and 0.0 <= idle_s <= MAX_AGE_S else duration(idle_s, MAX_AGE_S))
+        if reused is not None and type(reused) is not bool:
+            reused = _flag(reused)
+        by_reuse[reused] = by_reuse.get(reused, 0) + n
+        op = written_by if by is None else _member(OPERATIONS, by, Problem.UNKNOWN_OPERATION)
+        if type(unread) is not int or not 0 <= unread <= MAX_BYTES:
+            unread = count(unread, MAX_BYTES)
+        if unread:
+            unread_bytes[op] = unread_bytes.get(op, 0) + unread
+    unknown = tokens - sum(by_reuse.values())  # tokens of the pass no entry accounts for
+    if unknown < 0:
         raise Rejected(Problem.ENTRIES_EXCEED_TOTAL)
-    return Eviction(tier, tokens, duration(record.duration_s), count(record.time_ns, MAX_TIME_NS), entries)
+    if unknown or not by_reuse:
+        by_reuse[None] = by_reuse.get(None, 0) + unknown
+    seconds = duration(record.duration_s)
+    return Eviction(tier, tokens, seconds, count(record.time_ns, MAX_TIME_NS), by_reuse, unread_bytes, ages)
 
 
-def _sequence(value: Any, limit: int) -> list[Any]:
+def _entries(value: Any) -> list[Any]:
+    """The one read of a pass's entries: at most :data:`~otel_hicache.semconv.MAX_EVICTION_ENTRIES`."""
     if not value:
         return []
     if isinstance(value, (str, bytes, Mapping)):
@@ -492,22 +483,9 @@ def _sequence(value: Any, limit: int) -> list[Any]:
         items = list(value)
     except Exception:
         raise Rejected(Problem.MALFORMED) from None
-    if len(items) > limit:
-        raise Rejected(Problem.ABSURD_COUNT)
+    if len(items) > sc.MAX_EVICTION_ENTRIES:
+        raise Rejected(Problem.TOO_MANY_ENTRIES)
     return items
-
-
-def _entry(entry: Any, tier: Tier) -> Entry:
-    if not isinstance(entry, EvictedEntry):
-        raise Rejected(Problem.MALFORMED)
-    tokens, idle_s, reused, unread, written_by = entry
-    return Entry(
-        count(tokens),
-        None if idle_s is None else duration(idle_s, MAX_AGE_S),
-        _flag(reused),
-        count(unread, MAX_BYTES),
-        WRITTEN_BY[tier] if written_by is None else _member(OPERATIONS, written_by, Problem.UNKNOWN_OPERATION),
-    )
 
 
 def _flag(value: Any) -> bool | None:

@@ -1,13 +1,18 @@
 """The export process's program: builds a host's spans and metrics from its channel and exports them.
 
-Launched by the host's handle (:class:`~otel_hicache._internal.export_process.ExportProcess`, which describes the
-process's life: the launch, the pipes, the handover); its boot line reads the :class:`~otel_hicache._internal.plan.
-ExportPlan` and calls :func:`main`. The ring is the exporter's only queue: it builds spans from a batch of records
-with a processor that only collects them, exports them synchronously (as the SDK's batch processor would:
-``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` at a time, at least every ``OTEL_BSP_SCHEDULE_DELAY``) and then settles the slots. A
-span whose export fails is counted in ``otel_hicache.records.dropped``; a replacement for a dead exporter sends again
-what its predecessor had not settled, under the same span and trace ids (an OTLP retry). Everything is exported under
-the host's Resource, with the providers :mod:`otel_hicache._internal.providers` builds for ``configure()`` too.
+Launched by the host's handle (:class:`~otel_hicache._internal.export.handle.ExportProcess`, which describes the
+process's life: the launch, the pipes, the handover); its boot (:mod:`otel_hicache._internal.export.boot`) reads the
+:class:`~otel_hicache._internal.shared.plan.ExportPlan` and calls :func:`main`. Metrics are read from the shared table
+at each collection by the readers' own threads; nothing here holds a metric. The ring is the exporter's only span queue:
+the main thread builds spans from the ring's transfers with a processor that only collects them, and a thread of its own
+sends them (as the SDK's batch processor would: ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` at a time, at least every
+``OTEL_BSP_SCHEDULE_DELAY``) and then settles their slots. So a send that blocks (a black-hole collector, an exporter
+retrying) delays neither a metric read nor the building of the next spans: it holds only the slots of its own spans,
+until it returns - within the span exporter's timeout (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``, 10 s by default), the
+bound of every OTLP export. A span whose export fails is counted in ``otel_hicache.records.dropped``; a replacement for
+a dead exporter sends again what its predecessor had not settled, under the same span and trace ids (an OTLP retry).
+Everything is exported under the host's Resource, with the providers :mod:`otel_hicache._internal.emit.providers`
+builds for ``configure()`` too.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -27,8 +32,10 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
-from otel_hicache._internal.accumulation import Layout
-from otel_hicache._internal.channel import (
+from otel_hicache._internal.emit.emitter import Emitter
+from otel_hicache._internal.emit.providers import build
+from otel_hicache._internal.shared.accumulation import Layout
+from otel_hicache._internal.shared.channel import (
     EXPORT_DROPPED,
     EXPORTER_PID,
     FLUSH_DONE,
@@ -40,9 +47,7 @@ from otel_hicache._internal.channel import (
     SPANS_EXPORTED,
     Channel,
 )
-from otel_hicache._internal.emitter import Emitter
-from otel_hicache._internal.plan import LOG_LINE, MAX_LINE_BYTES, ExportPlan
-from otel_hicache._internal.providers import build
+from otel_hicache._internal.shared.plan import LOG_LINE, MAX_LINE_BYTES, ExportPlan
 from otel_hicache.config import validate
 
 _log = logging.getLogger(__name__)
@@ -135,10 +140,19 @@ class Collect(SpanProcessor):
         return spans
 
 
+class _Job(NamedTuple):
+    """Spans for the sending thread: the ring's slots before ``upto`` are free once they are sent (or counted lost);
+    ``flush``: a flush request to answer once they are, after a metric export."""
+
+    spans: list[ReadableSpan]
+    upto: int
+    flush: int
+
+
 class _Sender:
-    """Builds the ring's records into spans and histogram points, and sends the spans to every exporter: ``batch`` at
-    a time, at least every ``delay_s`` (the SDK batch processor's rule); then settles the slots. A span an exporter
-    did not take is counted as dropped once. Only the main thread calls it."""
+    """Builds the ring's transfers into spans (:meth:`build`, on the main thread) and sends them on a thread of its
+    own, one job at a time (:meth:`hand`): ``batch`` spans per export, at least every ``delay_s`` (the SDK batch
+    processor's rule); then settles their slots. A span an exporter did not take is counted as dropped once."""
 
     def __init__(
         self,
@@ -149,10 +163,16 @@ class _Sender:
         exporters: Sequence[SpanExporter],
         batch: int,
         delay_s: float,
+        flush_metrics: Callable[[], object],
     ) -> None:
         self._channel, self._emit, self._ids, self._collect = channel, emit, ids, collect
         self._exporters, self._batch, self._delay_s = exporters, batch, delay_s
-        self._since = 0.0  # when the oldest span not sent was built
+        self._flush_metrics = flush_metrics
+        self._since = 0.0  # when the oldest span not handed over was built
+        self._state = threading.Condition()
+        self._job: _Job | None = None  # handed over, not yet taken by the sending thread
+        self._busy = False  # the sending thread is sending a job
+        threading.Thread(target=self._run, name="otel-hicache-send-spans", daemon=True).start()
 
     def build(self) -> None:
         channel, ids = self._channel, self._ids
@@ -167,27 +187,54 @@ class _Sender:
                     self._emit(record)
                 except Exception:
                     _log.debug("emitting a record failed", exc_info=True)
-        if not self._collect.spans:
-            channel.settle()  # nothing waits to be sent: what was built is done with
-        elif not self._since:
-            self._since = time.monotonic()
+        if self._collect.spans:
+            self._since = self._since or time.monotonic()
+            return
+        with self._state:
+            if not self._busy and self._job is None:
+                channel.settle()  # nothing waits to be sent: what was built is done with
 
     def due(self) -> bool:
         held = len(self._collect.spans)
         return held >= self._batch or (held > 0 and time.monotonic() - self._since >= self._delay_s)
 
-    def send(self) -> None:
-        spans = self._collect.take()
+    def hand(self, flush: int = 0) -> bool:
+        """Give the sending thread every span built so far (and a flush request to answer); False while it is still
+        sending the previous job (the spans wait, in the ring's slots)."""
+        with self._state:
+            if self._busy or self._job is not None:
+                return False
+            self._job = _Job(self._collect.take(), int(self._channel.ints[READ]), flush)
+            self._since = 0.0
+            self._state.notify_all()
+        return True
+
+    def idle(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the sending thread to be done with every job handed over."""
+        with self._state:
+            return self._state.wait_for(lambda: not self._busy and self._job is None, timeout_s)
+
+    def _run(self) -> None:
         ints = self._channel.ints
-        for at in range(0, len(spans), self._batch):
-            chunk: Sequence[ReadableSpan] = spans[at : at + self._batch]
-            sent = [_export(exporter, chunk) for exporter in self._exporters]
-            if all(sent):
-                ints[SPANS_EXPORTED] += len(chunk)
-            else:
-                ints[EXPORT_DROPPED] += len(chunk)
-        self._channel.settle()
-        self._since = 0.0
+        while True:
+            with self._state:
+                self._state.wait_for(lambda: self._job is not None)
+                job, self._job, self._busy = self._job, None, True
+            assert job is not None
+            for at in range(0, len(job.spans), self._batch):
+                chunk: Sequence[ReadableSpan] = job.spans[at : at + self._batch]
+                sent = [_export(exporter, chunk) for exporter in self._exporters]
+                if all(sent):
+                    ints[SPANS_EXPORTED] += len(chunk)  # this thread alone writes both
+                else:
+                    ints[EXPORT_DROPPED] += len(chunk)
+            self._channel.settle(job.upto)
+            if job.flush:
+                self._flush_metrics()
+                ints[FLUSH_DONE] = job.flush
+            with self._state:
+                self._busy = False
+                self._state.notify_all()
 
 
 def _export(exporter: SpanExporter, spans: Sequence[ReadableSpan]) -> bool:
@@ -221,12 +268,21 @@ def main(hangup_fd: int, channel_fd: int, plan: ExportPlan) -> None:
     emitter = Emitter(
         channel.counters, tracer_provider, meter_provider, spans=plan.spans, token_metrics=plan.token_metrics
     )
-    batch, delay_s = settings.bsp_max_export_batch_size, settings.bsp_schedule_delay_ms / 1000
-    sender = _Sender(channel, emitter.emit, ids, collect, traces_side.span_exporters, batch, delay_s)
-    ints[READ] = ints[SETTLED]  # what a predecessor took and never settled is built and sent again
-    ints[EXPORTER_PID] = os.getpid()
     final_s = FINAL_TIMEOUT_S
     timeout_ms = int(final_s * 1000)
+    batch, delay_s = settings.bsp_max_export_batch_size, settings.bsp_schedule_delay_ms / 1000
+    ints[READ] = ints[SETTLED]  # what a predecessor took and never settled is built and sent again
+    sender = _Sender(
+        channel,
+        emitter.emit,
+        ids,
+        collect,
+        traces_side.span_exporters,
+        batch,
+        delay_s,
+        lambda: meter_provider.force_flush(timeout_ms),
+    )
+    ints[EXPORTER_PID] = os.getpid()
 
     poke = threading.Event()
     ending_lock = threading.Lock()
@@ -249,26 +305,29 @@ def main(hangup_fd: int, channel_fd: int, plan: ExportPlan) -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: ending())  # the container is going away: last export, then exit
     threading.Thread(target=watch_host, name="otel-hicache-watch-host", daemon=True).start()
+    answered = 0  # the last flush request handed to the sending thread
     while not stop.is_set():
         poke.wait(POLL_INTERVAL_S)
         poke.clear()
         sender.build()
-        request = ints[FLUSH_REQ]
-        if request > ints[FLUSH_DONE] and not stop.is_set():
-            sender.send()
-            meter_provider.force_flush(timeout_ms)
-            ints[FLUSH_DONE] = request
+        request = int(ints[FLUSH_REQ])
+        if request > max(answered, ints[FLUSH_DONE]):
+            if sender.hand(flush=request):  # answered once the spans so far are sent and the metrics exported
+                answered = request
         elif sender.due():
-            sender.send()
+            sender.hand()
 
     try:
-        sender.build()
-        for span_exporter in traces_side.span_exporters:  # half the time left for spans, whatever the collector does
+        ends = time.monotonic() + final_s / 2  # half the time left for spans, whatever the collector does
+        for span_exporter in traces_side.span_exporters:
             cut_off = threading.Timer(final_s / 2, span_exporter.shutdown)
             cut_off.daemon = True
             cut_off.start()
-        sender.send()
-        meter_provider.force_flush(timeout_ms)
+        sender.build()
+        if sender.idle(ends - time.monotonic()):
+            sender.hand()
+        meter_provider.force_flush(timeout_ms)  # meanwhile the spans are sent
+        sender.idle(ends - time.monotonic())
     finally:
         logging.shutdown()
         os._exit(0)

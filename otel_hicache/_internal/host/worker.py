@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec
 
-from otel_hicache._internal import validation
-from otel_hicache._internal.channel import Channel
-from otel_hicache._internal.consumers import Consumer
-from otel_hicache._internal.counting import Tally
-from otel_hicache._internal.deferred import Build, DeferredQueue
-from otel_hicache._internal.validation import Rejected
+from otel_hicache._internal.host import fork, validation
+from otel_hicache._internal.host.consumers import Consumer
+from otel_hicache._internal.host.counting import Tally
+from otel_hicache._internal.host.deferred import Build, DeferredQueue
+from otel_hicache._internal.host.validation import Rejected
+from otel_hicache._internal.shared.channel import Channel
 from otel_hicache.capacity import CapacityFeed
 from otel_hicache.records import PoolUsage, TransferRecord
 from otel_hicache.semconv import CAPACITY_FACTORS, Problem, RecordKind
@@ -122,7 +121,7 @@ class HostWorker:
     def attach(self, consumer: Consumer) -> None:
         """Serve ``consumer`` (built on :attr:`channel`); one in another process is started at once."""
         self.consumer = consumer
-        _LIVE.add(self)
+        fork.track(self)
         if self.shared:
             self.start()
 
@@ -356,7 +355,7 @@ class HostWorker:
         self.consumer.close(self.channel, max(0.0, deadline - time.monotonic()))
         if self.shared:  # keep counting (records after shutdown still count) in a private copy; let shared memory go
             self._tally.swap(Channel.private_copy).close()
-        _LIVE.discard(self)
+        fork.untrack(self)
 
     def _shed_deferred(self) -> None:
         """Count every deferred record that will never be built (the host thread has stopped)."""
@@ -461,38 +460,12 @@ def _run(ref: weakref.ref[HostWorker], wake: threading.Event) -> None:
         del worker
 
 
-# ---------------------------------------------------------------------- process-wide hooks (weak: no instance leaks)
-_LIVE: weakref.WeakSet[HostWorker] = weakref.WeakSet()
-_HELD: list[tuple[HostWorker, tuple[bool, bool]]] = []
-
-
-def _before_fork() -> None:
-    _HELD[:] = [(w, w.before_fork()) for w in list(_LIVE)]
-
-
-def _after_fork_in_parent() -> None:
-    for worker, held in _HELD:
-        worker.after_fork_in_parent(held)
-    _HELD.clear()
-
-
-def _after_fork_in_child() -> None:
-    held = list(_HELD)
-    _HELD.clear()
-    for worker, _ in held:
-        try:
-            worker.after_fork_in_child()
-        except Exception:
-            _log.debug("otel_hicache: resetting telemetry in a forked child failed", exc_info=True)
-
-
+# ---------------------------------------------------------------------- at exit (the at-fork hooks: fork.py)
 def _flush_at_exit() -> None:
     """Count deferred records before the interpreter stops the host thread: half a second in all, however many."""
     deadline = time.monotonic() + 0.5
-    for worker in list(_LIVE):
+    for worker in fork.tracked():
         worker.settle(max(0.0, deadline - time.monotonic()))
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 atexit.register(_flush_at_exit)

@@ -1,7 +1,7 @@
 """Providers from :class:`~otel_hicache.config.Settings`: one builder for ``configure()`` and the export process.
 
 ``configure()`` (:mod:`otel_hicache.sdk`) builds this process's providers with :func:`build`, and the export process
-(:mod:`otel_hicache._internal.exporter`) builds its providers for the host's spans and metrics with the same call:
+(:mod:`otel_hicache._internal.export.main`) builds its providers for the host's spans and metrics with the same call:
 same Views, Resource rules, sampler, span limits, exemplar filter and exporters.
 
 Exporters are chosen the SDK's way (``opentelemetry.sdk._configuration``): each name in ``OTEL_TRACES_EXPORTER`` /
@@ -104,20 +104,18 @@ class TracesSide(NamedTuple):
 
 
 def views(cardinality_limit: int = DEFAULT_CARDINALITY_LIMIT) -> list[View]:
-    """One View per instrument: closed attribute keys, a series cap, and explicit buckets for histograms."""
-    out = []
-    for spec in sc.INSTRUMENTS:
-        aggregation = None if spec.buckets is None else ExplicitBucketHistogramAggregation(spec.buckets)
-        out.append(
-            View(
-                instrument_name=spec.name,
-                meter_name=sc.INSTRUMENTATION_SCOPE,
-                attribute_keys=set(spec.attributes),
-                aggregation=aggregation,
-                aggregation_cardinality_limit=cardinality_limit,
-            )
+    """One View per instrument the SDK aggregates: closed attribute keys and a series cap. (The histograms are
+    aggregated by the host in shared memory and handed to the readers as they are: ``_internal/emit/histograms.py``.)"""
+    return [
+        View(
+            instrument_name=spec.name,
+            meter_name=sc.INSTRUMENTATION_SCOPE,
+            attribute_keys=set(spec.attributes),
+            aggregation_cardinality_limit=cardinality_limit,
         )
-    return out
+        for spec in sc.INSTRUMENTS
+        if spec.kind != "histogram"
+    ]
 
 
 def build_resource(

@@ -16,13 +16,13 @@ with ``kill_process_tree`` (SGLang) or SIGKILL does not take the exporter with i
   a launch proven gone is replaced (with back-off while launches keep failing), so one exporter reads a ring at a time.
   "The launcher exited, the exporter has not attached yet" is not dead.
 
-Its :class:`~otel_hicache._internal.plan.ExportPlan` (the host's ``OTEL_*`` variables, the Resource, the channel's
-layout) reaches it in a memfd passed as a file descriptor:
-no other user can read it (``ps`` shows file descriptor numbers only) and it has no size limit. Its standard input
-and output are ``/dev/null``: it holds none of the host's stdio, so a reader of the host's output sees end-of-file
-when the host exits. Where the host reaps orphans (PID 1 of a container, or a child subreaper) it reaps its exporters.
+Its :class:`~otel_hicache._internal.shared.plan.ExportPlan` (the host's ``OTEL_*`` variables, the Resource, the
+channel's layout) reaches it in a memfd passed as a file descriptor: no other user can read it (``ps`` shows file
+descriptor numbers only) and it has no size limit. Its standard input and output are ``/dev/null``: it holds none of the
+host's stdio, so a reader of the host's output sees end-of-file when the host exits. Where the host reaps orphans (PID 1
+of a container, or a child subreaper) it reaps its exporters.
 
-What the export process does with the ring is :mod:`otel_hicache._internal.exporter`, its program; its threads and
+What the export process does with the ring is :mod:`otel_hicache._internal.export.main`, its program; its threads and
 OTLP encoding never touch the host's GIL.
 """
 
@@ -41,36 +41,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otel_hicache._internal.channel import EXPORTER_PID, FLUSH_DONE, FLUSH_REQ, Channel
-from otel_hicache._internal.plan import LOG_LINE, MAX_LINE_BYTES, PID_LINE, ExportPlan
+from otel_hicache._internal.shared.channel import EXPORTER_PID, FLUSH_DONE, FLUSH_REQ, Channel
+from otel_hicache._internal.shared.plan import LOG_LINE, MAX_LINE_BYTES, PID_LINE, ExportPlan
 
 _log = logging.getLogger(__name__)
 
-#: The launcher (``python -S``): fork, name the child on the liveness pipe, exit at once (the host reaps it); the
-#: orphaned child execs the exporter.
-_LAUNCHER = (
-    "import os, sys\n"
-    "pid = os.fork()\n"
-    "if pid:\n    os.write(2, b'\\x1fP%d\\n' % pid)\n    os._exit(0)\n"
-    "os.execv(sys.executable, [sys.executable, '-c', *sys.argv[1:]])\n"
-)
-#: The exporter's first lines: its plan, environment included, before anything reads the environment (the OTel API
-#: reads ``OTEL_PYTHON_CONTEXT`` on import).
-_BOOT = (
-    "import os, sys\n"
-    "fds = [int(fd) for fd in sys.argv[1].split(',')]\n"
-    "with os.fdopen(fds[2], 'rb') as f:\n    data = f.read()\n"
-    "from otel_hicache._internal.plan import ExportPlan\n"
-    "plan = ExportPlan.from_json(data)\n"
-    "os.environ.update(plan.environment)\n"
-    "from otel_hicache._internal.exporter import main\n"
-    "main(fds[0], fds[1], plan)\n"
-)
+#: The launcher, run by path (``python -S``: it imports no ``site``).
+_LAUNCHER = str(Path(__file__).with_name("launcher.py"))
 #: A launch that ends (or fails to start) sooner than this counts as a failure: the next waits longer.
 LIVED_S = 10.0
 #: The longest wait before launching again while launches keep failing (0.5 s, then doubling).
 MAX_BACKOFF_S = 30.0
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding otel_hicache
 
 
 class _Launch:
@@ -298,7 +280,7 @@ def _spawn(channel: Channel, plan: ExportPlan) -> _Launch:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         fds = (hang_r, channel.fd, plan_fd, live_w)
         launcher = subprocess.Popen(
-            [sys.executable, "-S", "-c", _LAUNCHER, _BOOT, ",".join(map(str, fds))],
+            [sys.executable, "-S", _LAUNCHER, ",".join(map(str, fds))],
             pass_fds=fds,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -425,14 +407,11 @@ def _close(fd: int) -> None:
         pass
 
 
-def _forget_left_in_child() -> None:
-    """A forked child does not tend its parent's finishing exporters (and starts with the list's lock free)."""
+def forget_left_in_child() -> None:
+    """A forked child does not tend its parent's finishing exporters (and starts with the list's lock free): an
+    at-fork hook (:mod:`otel_hicache._internal.host.fork`)."""
     global _LEFT_LOCK
     _LEFT_LOCK = threading.Lock()
     for launch in _LEFT:
         launch.forget()
     _LEFT.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_left_in_child)

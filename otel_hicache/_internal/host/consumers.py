@@ -1,10 +1,10 @@
-"""Consumers of a telemetry's ring: where its records become spans and histogram points.
+"""Consumers of a telemetry's ring: where its transfers become spans (and its table is read for metrics).
 
-Two kinds, one :class:`Consumer` interface the host thread (:mod:`otel_hicache._internal.worker`) serves:
+Two kinds, one :class:`Consumer` interface the host thread (:mod:`otel_hicache._internal.host.worker`) serves:
 
 * :class:`InProcessConsumer`: threads of this process, the host thread in slices and ``flush`` on the caller's (the
   embedded default, and providers handed to :class:`~otel_hicache.telemetry.HiCacheTelemetry`);
-* :class:`~otel_hicache._internal.export_process.ExportProcess`: the handle on an export process that maps the ring
+* :class:`~otel_hicache._internal.export.handle.ExportProcess`: the handle on an export process that maps the ring
   and drains it itself (``configure()`` over OTLP).
 """
 
@@ -18,8 +18,9 @@ from typing import Protocol
 
 from opentelemetry import metrics, trace
 
-from otel_hicache._internal.channel import Channel, Record
-from otel_hicache._internal.emitter import Emitter
+from otel_hicache._internal.emit.emitter import Emitter
+from otel_hicache._internal.shared.channel import Channel
+from otel_hicache.records import TransferRecord
 
 _log = logging.getLogger("otel_hicache.telemetry")
 
@@ -105,7 +106,7 @@ class InProcessConsumer:
         self._emit_lock = threading.Lock()  # the channel was reset in place: the emitter reads the child's counts
         return self
 
-    def _emit(self, records: list[Record]) -> None:
+    def _emit(self, records: list[TransferRecord]) -> None:
         for record in records:
             try:
                 self._emitter.emit(record)

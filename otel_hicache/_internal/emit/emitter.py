@@ -1,14 +1,16 @@
-"""The export side: OTel instruments over the counter table, and spans and histogram points from ring records.
+"""The export side: OTel instruments over the table, and spans from the ring's transfers.
 
-:class:`Emitter` is the policy half of the pipeline (the ring in :mod:`otel_hicache._internal.channel` is the mechanism,
-as the OTel SDK separates ``BatchProcessor`` from ``BatchSpanProcessor``). It runs wherever the records are consumed: in
-the export process (:mod:`otel_hicache._internal.export_process`, the default when exporting over OTLP) or on a consumer
-thread of the host (the embedded default, and providers handed to :class:`~otel_hicache.telemetry.HiCacheTelemetry`).
+:class:`Emitter` is the policy half of the pipeline (the ring in :mod:`otel_hicache._internal.shared.channel` is the
+mechanism, as the OTel SDK separates ``BatchProcessor`` from ``BatchSpanProcessor``). It runs wherever the records are
+consumed: in the export process (:mod:`otel_hicache._internal.export.handle`, the default when exporting over OTLP) or
+on a consumer thread of the host (the embedded default, and providers handed to
+:class:`~otel_hicache.telemetry.HiCacheTelemetry`).
 
-Every instrument comes from one table, :data:`otel_hicache.semconv.INSTRUMENTS`, and is read as its row's ``feed``
-says: counters are observable counters over the exact table, histograms get the row's buckets and are fed by the
-transfers' copy durations or by the points producers queue, pool gauges read the last pool reading. No instrument
-is special here beyond what its row declares.
+Every instrument comes from one table, :data:`otel_hicache.semconv.INSTRUMENTS`, and is read from the shared table as
+its row's ``feed`` says: counters are observable counters over their exact slots, pool gauges read the last pool
+reading, histograms are handed to every reader as the table holds them (:mod:`otel_hicache._internal.emit.histograms`).
+Nothing a metric reports depends on this process's memory: the records only become spans. No instrument is special
+here beyond what its row declares.
 """
 
 from __future__ import annotations
@@ -17,16 +19,15 @@ import logging
 import math
 import weakref
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import Link, NonRecordingSpan, Span
+from opentelemetry.trace import Link
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal.accumulation import Counters
-from otel_hicache._internal.channel import Points, Record
+from otel_hicache._internal.emit import histograms
+from otel_hicache._internal.shared.channel import ChannelCounters
 from otel_hicache.records import TransferRecord
 from otel_hicache.version import __version__
 
@@ -34,7 +35,7 @@ _log = logging.getLogger(__name__)
 
 
 class Emitter:
-    """Creates the instruments on ``meter_provider`` and turns records into spans and histogram points.
+    """Creates the instruments on ``meter_provider``, hands it the table's histograms, and turns transfers into spans.
 
     ``before_collect`` runs at the start of each collection (the in-process consumer uses it to count deferred
     records and read the pool sources first, so a collection is exact). ``token_metrics=False`` leaves out the
@@ -45,7 +46,7 @@ class Emitter:
 
     def __init__(
         self,
-        counters: Counters,
+        counters: ChannelCounters,
         tracer_provider: trace.TracerProvider | None,
         meter_provider: metrics.MeterProvider | None,
         *,
@@ -58,8 +59,12 @@ class Emitter:
         self._spans = spans
         self._before_collect = before_collect
         meter = metrics.get_meter(sc.INSTRUMENTATION_SCOPE, __version__, meter_provider)
-        self._histograms: dict[str, tuple[Any, tuple[str, ...]]] = {}  # name: (histogram, attribute keys)
-        self._timed: list[Any] = []  # the histograms of each transfer's copy duration
+        self._histogram_specs = [spec for spec in sc.INSTRUMENTS if spec.kind == "histogram"]
+        # the global provider may still be a proxy: then its SDK provider is looked for again at each collection
+        self._global = meter_provider is None
+        self._attached = histograms.attach(
+            metrics.get_meter_provider() if self._global else meter_provider, self.histograms
+        )
         # unbound, so that the emitter holds no reference to itself (a dropped telemetry is freed at once)
         self._observers: dict[str, Callable[[Emitter, str], list[Observation]]] = {}
         observers = {
@@ -72,14 +77,7 @@ class Emitter:
             if spec.unit == sc.UNIT_TOKEN and not token_metrics:
                 continue
             if spec.kind == "histogram":
-                histogram = meter.create_histogram(
-                    spec.name, spec.unit, spec.description, explicit_bucket_boundaries_advisory=spec.buckets
-                )
-                if spec.feed is sc.Feed.TRANSFERS:
-                    self._timed.append(histogram)
-                else:
-                    self._histograms[spec.name] = (histogram, spec.attributes)
-                continue
+                continue  # read from the table at each collection (histograms.attach)
             self._observers[spec.name] = observers[spec.feed]
             callback = _weak_callback(self, spec.name)
             if spec.kind == "counter":
@@ -94,12 +92,22 @@ class Emitter:
     # ------------------------------------------------------------------ metrics read at collection
     def observe(self, name: str) -> list[Observation]:
         """The points of instrument ``name`` now (the callbacks of the observable instruments)."""
-        if name == self._first and self._before_collect is not None:
-            try:
-                self._before_collect()
-            except Exception:
-                _log.debug("otel_hicache: preparing a collection failed", exc_info=True)
+        if name == self._first:
+            if self._before_collect is not None:
+                try:
+                    self._before_collect()
+                except Exception:
+                    _log.debug("otel_hicache: preparing a collection failed", exc_info=True)
+            if not self._attached and self._global:  # the global provider was set after this emitter was made
+                self._attached = histograms.attach(metrics.get_meter_provider(), self.histograms)
         return self._observers[name](self, name)
+
+    def histograms(self) -> histograms.Histograms:
+        """Every histogram series of the table now (cumulative since the table's start)."""
+        counters = self._counters
+        return histograms.Histograms(
+            counters.start_ns, [(spec, counters.histogram(spec.name)) for spec in self._histogram_specs]
+        )
 
     def _counted(self, name: str) -> list[Observation]:
         return [Observation(value, attrs) for value, attrs in self._counters.observations(name)]
@@ -123,41 +131,19 @@ class Emitter:
         ]
 
     # ------------------------------------------------------------------ records
-    def emit(self, record: Record) -> None:
-        """One span and histogram point per transfer; the histogram points of other records."""
-        if isinstance(record, Points):
-            self._points(record)
+    def emit(self, record: TransferRecord) -> None:
+        """One span per transfer."""
+        if not self._spans:
             return
-        op, duration, source = record.operation, record.copy_duration_s, record.timing_source
-        span: Span | None = None
-        if self._spans:
-            span = self._tracer.start_span(
-                sc.SPAN_NAMES[op],
-                kind=trace.SpanKind.INTERNAL,
-                start_time=record.submit_time_ns,
-                links=[Link(ctx) for ctx in record.links],
-                attributes=transfer_span_attributes(record),
-                context=trace.set_span_in_context(trace.INVALID_SPAN),  # a transfer is a root, not a request child
-            )
-        if duration is not None:
-            attrs = {sc.ATTR_OPERATION: op.value, sc.ATTR_TIMING_SOURCE: source.value}
-            recording = span is not None and span.is_recording()  # then exemplars carry the transfer's trace id
-            with trace.use_span(span, end_on_exit=False) if span is not None and recording else nullcontext():
-                for histogram in self._timed:
-                    histogram.record(duration, attrs)
-        if span is not None:
-            span.end(end_time=record.complete_time_ns)
-
-    def _points(self, points: Points) -> None:
-        histogram, keys = self._histograms[points.instrument]
-        attrs = dict(zip(keys, points.key, strict=True))
-        if points.context is None:
-            for value in points.values:
-                histogram.record(value, attrs)
-            return
-        with trace.use_span(NonRecordingSpan(points.context), end_on_exit=False):  # exemplars: the request's trace
-            for value in points.values:
-                histogram.record(value, attrs)
+        span = self._tracer.start_span(
+            sc.SPAN_NAMES[record.operation],
+            kind=trace.SpanKind.INTERNAL,
+            start_time=record.submit_time_ns,
+            links=[Link(ctx) for ctx in record.links],
+            attributes=transfer_span_attributes(record),
+            context=trace.set_span_in_context(trace.INVALID_SPAN),  # a transfer is a root, not a request child
+        )
+        span.end(end_time=record.complete_time_ns)
 
 
 def _weak_callback(emitter: Emitter, name: str) -> Callable[[CallbackOptions], list[Observation]]:

@@ -1,16 +1,22 @@
-"""Exact accumulation: every counter series and pool gauge as one int64 slot in a fixed table.
+"""Exact accumulation: every counter series, pool gauge and histogram series in a fixed table of 8-byte slots.
 
-The attribute values are closed sets (operations, pools, reasons, ...), so every series a counter can ever have is known
-up front and gets a slot: the table's layout is derived from :data:`otel_hicache.semconv.INSTRUMENTS` and the pool list
-alone, and the host and the export process compute the same layout from the same pools. The table lives in memory both
-can see (:mod:`otel_hicache._internal.channel`): the host adds into it under its lock, the exporter reads it at each
-collection, and what the host counted is there to export even after the host was SIGKILLed.
+The attribute values are closed sets (operations, pools, reasons, ...), so every series an instrument can ever have is
+known up front and gets its slots: the table's layout is derived from :data:`otel_hicache.semconv.INSTRUMENTS` and the
+pool list alone, and the host and the export process compute the same layout from the same pools. A counter series is
+one int64; a histogram series is a block: its sum (a float64, added in the order the host recorded the values) and one
+int64 count per bucket of its row (the OTel SDK's explicit-bucket rule: bucket ``i`` holds ``bounds[i-1] < v <=
+bounds[i]``); its count is the buckets' sum, so a reader never sees a count its buckets disagree with. Min and max are
+not kept. The table lives in memory both can see (:mod:`otel_hicache._internal.shared.channel`): the host adds into it
+under its lock, the exporter reads it at each collection, and what the host counted is there to export even after the
+host or the exporter was SIGKILLed.
 """
 
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from otel_hicache import semconv as sc
@@ -25,6 +31,8 @@ _GAUGE_WIDTH = 3
 CAPACITY_PRESENT, CAPACITY_TOKENS, CAPACITY_RATIOS = 0, 1, 2
 _CAPACITY_WIDTH = CAPACITY_RATIOS + len(sc.CAPACITY_FACTORS)
 RATIO_SCALE = 1_000_000_000
+#: A histogram series' block: the sum at its first slot, the bucket counts from the next one on.
+HISTOGRAM_SUM, HISTOGRAM_BUCKETS = 0, 1
 
 
 def _domains(pools: Sequence[str]) -> dict[str, tuple[Any, ...]]:
@@ -79,21 +87,55 @@ class Layout:
             (tier, pool): slot + i * _GAUGE_WIDTH
             for i, (tier, pool) in enumerate(itertools.product(self.tiers, self.pools))
         }
-        self.end = slot + len(self.gauges) * _GAUGE_WIDTH
+        slot += len(self.gauges) * _GAUGE_WIDTH
+        #: Histograms: ``histograms[name][key]`` is the first slot of the series' block (:data:`HISTOGRAM_SUM`, then
+        #: the bucket counts from :data:`HISTOGRAM_BUCKETS` on); ``bounds[name]`` the row's bucket boundaries.
+        self.histogram_specs = {spec.name: spec for spec in sc.INSTRUMENTS if spec.kind == "histogram"}
+        self.histograms: dict[str, dict[Key, int]] = {}
+        self.bounds: dict[str, tuple[float, ...]] = {}
+        for name, spec in self.histogram_specs.items():
+            bounds = self.bounds[name] = tuple(spec.buckets or ())
+            table = {}
+            for key in itertools.product(*(domains[a] for a in spec.attributes)):
+                table[key] = slot
+                slot += HISTOGRAM_BUCKETS + len(bounds) + 1
+            self.histograms[name] = table
+        self.end = slot
         # the capacity curve per tier, after everything else
         self.capacity = {tier: self.end + i * _CAPACITY_WIDTH for i, tier in enumerate(self.tiers)}
         self.end += len(self.capacity) * _CAPACITY_WIDTH
 
     def attributes(self, name: str, key: Key) -> dict[str, Any]:
-        return {attr: value for attr, value in zip(self.specs[name].attributes, key, strict=True) if value is not None}
+        spec = self.specs.get(name) or self.histogram_specs[name]
+        return {attr: value for attr, value in zip(spec.attributes, key, strict=True) if value is not None}
+
+    def bucket_counts(self, name: str, values: Sequence[float]) -> list[int]:
+        """How many of ``values`` fall in each bucket of histogram ``name`` (to add to a series in one go)."""
+        bounds = self.bounds[name]
+        counts = [0] * (len(bounds) + 1)
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+        return counts
+
+
+@dataclass(frozen=True)
+class HistogramSeries:
+    """One histogram series as the table holds it now: its attributes, bucket counts, count and sum."""
+
+    attributes: dict[str, Any]
+    bucket_counts: tuple[int, ...]
+    count: int
+    sum: float
 
 
 class Counters:
-    """Reads and writes the table through an int64 memoryview (``ints``) that :class:`Layout` indexes."""
+    """Reads and writes the table through an int64 and a float64 memoryview of the same memory (``ints``,
+    ``floats``) that :class:`Layout` indexes."""
 
-    def __init__(self, layout: Layout, ints: memoryview) -> None:
+    def __init__(self, layout: Layout, ints: memoryview, floats: memoryview[float]) -> None:
         self.layout = layout
         self.ints = ints
+        self.floats = floats
         self._attributes: dict[tuple[str, Key], dict[str, Any]] = {}
 
     def values(self, name: str) -> dict[Key, int]:
@@ -102,13 +144,25 @@ class Counters:
         return {key: ints[slot] for key, slot in self.layout.slots[name].items() if ints[slot] or key in seeded}
 
     def observations(self, name: str) -> list[tuple[int, dict[str, Any]]]:
+        return [(value, self._attributes_of(name, key)) for key, value in self.values(name).items()]
+
+    def histogram(self, name: str) -> list[HistogramSeries]:
+        """Every series of histogram ``name`` that has counted something, cumulative since the table's start."""
+        ints, floats, width = self.ints, self.floats, len(self.layout.bounds[name]) + 1
         out = []
-        for key, value in self.values(name).items():
-            attrs = self._attributes.get((name, key))
-            if attrs is None:
-                attrs = self._attributes[(name, key)] = self.layout.attributes(name, key)
-            out.append((value, attrs))
+        for key, base in self.layout.histograms[name].items():
+            first = base + HISTOGRAM_BUCKETS
+            counts = tuple(ints[first : first + width])
+            total = sum(counts)
+            if total:
+                out.append(HistogramSeries(self._attributes_of(name, key), counts, total, floats[base + HISTOGRAM_SUM]))
         return out
+
+    def _attributes_of(self, name: str, key: Key) -> dict[str, Any]:
+        attrs = self._attributes.get((name, key))
+        if attrs is None:
+            attrs = self._attributes[(name, key)] = self.layout.attributes(name, key)
+        return attrs
 
     def snapshot(self) -> dict[str, dict[Key, int]]:
         return {name: self.values(name) for name in self.layout.specs}

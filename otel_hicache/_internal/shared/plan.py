@@ -1,7 +1,7 @@
 """What a host hands its export process: the :class:`ExportPlan`, and the lines they exchange on the liveness pipe.
 
-The plan is written once by the host (:class:`~otel_hicache._internal.export_process.ExportProcess`) into a memfd and
-read once by the exporter's boot line (:mod:`otel_hicache._internal.exporter`): :meth:`ExportPlan.to_json` and
+The plan is written once by the host (:class:`~otel_hicache._internal.export.handle.ExportProcess`) into a memfd and
+read once by the exporter's boot (:mod:`otel_hicache._internal.export.boot`): :meth:`ExportPlan.to_json` and
 :meth:`ExportPlan.from_json` are its one serialization. The standard library only: the exporter reads its plan, and
 sets its environment from it, before anything imports the OTel API (which reads ``OTEL_PYTHON_CONTEXT`` on import).
 """

@@ -2,18 +2,19 @@
 
 Layout (all int64-aligned)::
 
-    header (HEADER_INTS int64)  |  counter table + pool gauges (accumulation.Layout)  |  record ring (slots)
+    header (HEADER_INTS int64)  |  counters, pool gauges, histograms (accumulation.Layout)  |  transfer ring (slots)
 
-* The **counter table** holds every counter series exactly (:mod:`otel_hicache._internal.accumulation`).
-* The **record ring** is a bounded single-producer / single-consumer queue of fixed-size slots: the host packs each
-  transfer (for its span and histogram point) and the histogram points of other records (every histogram whose row
-  in :data:`~otel_hicache.semconv.INSTRUMENTS` says ``feed=POINTS``: :class:`Points`, several values to a slot) into
-  the next free slots; when the ring is full
-  the record's span and points are shed and counted, never waited for. The producer publishes a slot by
-  advancing ``WRITE`` after writing it; the consumer advances ``READ`` after decoding and ``SETTLED`` once what it
-  built from the slots is exported (or counted as lost). A slot is free again only once settled, so an exporter that
-  replaces a dead one builds and sends again what its predecessor took but never settled, under the same span and
-  trace ids (``ID_SEED`` and the slot's sequence number make them), as an OTLP retry would.
+* The **table** holds every metric exactly: each counter series, the last pool reading, and each histogram series'
+  bucket counts and sum (:mod:`otel_hicache._internal.shared.accumulation`). The host adds into it; an exporter only
+  reads it, so no metric depends on an exporter's memory or on an export succeeding: a replacement exporter reads the
+  same cumulative state, and ``START_NS`` (when the table was made) is the start time of every cumulative point.
+* The **transfer ring** is a bounded single-producer / single-consumer queue of fixed-size slots: the host packs each
+  transfer (for its span) into the next free slot; when the ring is full the span is shed and counted, never waited
+  for. The producer publishes a slot by advancing ``WRITE`` after writing it; the consumer advances ``READ`` after
+  decoding and ``SETTLED`` once the spans built from the slots are exported (or counted as lost). A slot is free again
+  only once settled, so an exporter that replaces a dead one builds and sends again what its predecessor took but
+  never settled, under the same span and trace ids (``ID_SEED`` and the slot's sequence number make them), as an OTLP
+  retry would.
 * The **header** also carries the flush handshake (``FLUSH_REQ`` / ``FLUSH_DONE``), the exporter's pid and the spans
   whose export failed (``EXPORT_DROPPED``, written by the exporter alone and reported in
   ``otel_hicache.records.dropped`` with the host's own count: see :class:`ChannelCounters`), and those every span
@@ -29,56 +30,65 @@ import math
 import mmap
 import os
 import struct
+import time
 import weakref
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal.accumulation import Counters, Key, Layout
-from otel_hicache._internal.validation import MAX_LABEL_BYTES, Link, Transfer
+from otel_hicache._internal.shared.accumulation import Counters, Key, Layout
 from otel_hicache.records import TransferRecord
+from otel_hicache.semconv import Problem, TimingSource, TransferOperation
+
+#: Longest write policy / io backend kept on a span, in UTF-8 bytes.
+MAX_LABEL_BYTES = 32
+
+
+class Link(NamedTuple):
+    """A link to a request span, as plain values."""
+
+    trace_id: int
+    span_id: int
+    trace_flags: int
+    is_remote: bool
+
+
+class Transfer(NamedTuple):
+    """A checked transfer: every count an ``int``, pools known (or ``other``), links valid."""
+
+    operation: TransferOperation
+    tokens: list[tuple[str, int]]  # (pool, tokens), pools unique
+    num_bytes: int
+    bytes_by_pool: list[tuple[str, int]] | None
+    submit_time_ns: int
+    complete_time_ns: int
+    copy_duration_s: float | None
+    timing_source: TimingSource  # NONE exactly when copy_duration_s is None
+    merged_ops: int
+    node_count: int
+    write_policy: str | None
+    io_backend: str | None
+    links: tuple[Link, ...]
+    corrections: tuple[Problem, ...]  # what was normalized, each counted once for this record
+
 
 # header slots
-MAGIC, WRITE, READ, SETTLED, FLUSH_REQ, FLUSH_DONE, EXPORTER_PID, EXPORT_DROPPED, ID_SEED, SPANS_EXPORTED = range(10)
+MAGIC, WRITE, READ, SETTLED, FLUSH_REQ, FLUSH_DONE, EXPORTER_PID, EXPORT_DROPPED, ID_SEED, START_NS, SPANS_EXPORTED = (
+    range(11)
+)
 HEADER_INTS = 16
-_MAGIC = 0x4849434143484531  # "HICACHE1"
+_MAGIC = 0x4849434143484532  # "HICACHE2": the table holds histograms
 
-_KIND_TRANSFER, _KIND_POINTS = 1, 2
-#: The histograms whose points travel as :class:`Points`, with their attribute keys.
-POINT_INSTRUMENTS: dict[str, tuple[str, ...]] = {
-    spec.name: spec.attributes for spec in sc.INSTRUMENTS if spec.feed is sc.Feed.POINTS
-}
-_POINT_NAMES = list(POINT_INSTRUMENTS)
-_POINT_INDEX = {name: i for i, name in enumerate(_POINT_NAMES)}
-#: Where a Points slot keeps the index of each attribute's value: the header bytes it does not use otherwise.
-_POINT_ATTRIBUTE_BYTES = (2, 3, 5)
-assert all(len(keys) <= len(_POINT_ATTRIBUTE_BYTES) for keys in POINT_INSTRUMENTS.values())
 _OPS = list(sc.TransferOperation)
 _OP_INDEX = {op: i for i, op in enumerate(_OPS)}
 _SOURCES = list(sc.TimingSource)
 _SOURCE_INDEX = {s: i for i, s in enumerate(_SOURCES)}
 
-# kind, operation|tier, timing source, pools, links, label lengths; times, duration (NaN: none), bytes, counts
-_FIXED = struct.Struct(f"<7Bx qqd qqq {MAX_LABEL_BYTES}s{MAX_LABEL_BYTES}s")
+# operation, timing source, pools, links, split by pool; times, duration (NaN: none), bytes, counts, labels
+_FIXED = struct.Struct(f"<5B3x qqd qqq {MAX_LABEL_BYTES}s{MAX_LABEL_BYTES}s")
 _POOL = struct.Struct("<Hxxxxxxqq")  # pool index, tokens (-1: none), bytes (-1: not split by pool)
 _LINK = struct.Struct("<16s8sBBxxxxxx")  # trace id, span id, trace flags, is_remote
-_VALUE = struct.Struct("<d")
-
-
-class Points(NamedTuple):
-    """Histogram points of one instrument and series, as the consumer decodes them (the exporter's record).
-    ``key``: the values of the instrument's attributes, in its row's order; ``context``: the span the points belong
-    to (a request's), for exemplars; None when there is none."""
-
-    instrument: str
-    key: tuple[Any, ...]
-    values: tuple[float, ...]
-    context: SpanContext | None
-
-
-Record = TransferRecord | Points
 
 
 def slot_size(pools: int) -> int:
@@ -95,7 +105,6 @@ class Channel:
         self.layout = layout
         self.capacity = capacity
         self.slot = slot_size(len(layout.pools))
-        self.values_per_slot = min(255, (self.slot - _FIXED.size - _LINK.size) // _VALUE.size)
         self.ring_offset = (layout.end * 8 + 63) & ~63
         size = self.ring_offset + capacity * self.slot
         attach = fd is not None
@@ -113,12 +122,10 @@ class Channel:
         else:
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
         self.ints = memoryview(self._map).cast("B").cast("q")
+        self.floats = memoryview(self._map).cast("B").cast("d")  # the same slots, read as float64 (histogram sums)
         self.bytes = memoryview(self._map)
-        self.counters = ChannelCounters(layout, self.ints)
+        self.counters = ChannelCounters(layout, self.ints, self.floats)
         self._pool_index = {pool: i for i, pool in enumerate(layout.pools)}
-        values = {attr: {value: i for i, value in enumerate(domain)} for attr, domain in layout.domains.items()}
-        self._point_values = {name: [values[attr] for attr in keys] for name, keys in POINT_INSTRUMENTS.items()}
-        self._point_domains = {name: [layout.domains[a] for a in keys] for name, keys in POINT_INSTRUMENTS.items()}
         self._labels: dict[str | None, bytes] = {None: b""}
         if attach:
             if self.ints[MAGIC] != _MAGIC:
@@ -129,6 +136,7 @@ class Channel:
     def _stamp(self) -> None:
         self.ints[MAGIC] = _MAGIC
         self.ints[ID_SEED] = int.from_bytes(os.urandom(8), "little") >> 1  # this ring's span and trace ids
+        self.ints[START_NS] = time.time_ns()  # the start of every cumulative point read from this table
 
     def private_copy(self) -> Channel:
         """A private channel with this one's header and counters and a one-slot ring: what a telemetry keeps
@@ -159,6 +167,7 @@ class Channel:
     def close(self) -> None:
         """Unmap and close the descriptor; the memory lives on while the other side still maps it."""
         self.ints.release()
+        self.floats.release()
         self.bytes.release()
         self._map.close()
         self.release_fd()
@@ -207,13 +216,11 @@ class Channel:
         _FIXED.pack_into(
             buf,
             offset,
-            _KIND_TRANSFER,
             _OP_INDEX[t.operation],
             _SOURCE_INDEX[t.timing_source],
             n_pools,
             len(links),
             by_pool is not None,
-            0,
             t.submit_time_ns,
             t.complete_time_ns,
             math.nan if duration is None else duration,
@@ -226,44 +233,12 @@ class Channel:
         self.ints[WRITE] = write + 1
         return True
 
-    def put_points(
-        self, instrument: str, key: Sequence[Any], values: Sequence[float], time_ns: int, context: Link | None = None
-    ) -> bool:
-        """Pack histogram points of the series ``key`` (its attributes' values; ``values_per_slot`` to a slot); all of
-        them or none: False when the ring has no room for them all. KeyError for a value outside its attribute's
-        closed set."""
-        per = self.values_per_slot
-        needed = -(-len(values) // per)
-        ints = self.ints
-        write: int = ints[WRITE]
-        if write + needed - ints[SETTLED] > self.capacity:
-            return False
-        buf, which = self.bytes, _POINT_INDEX[instrument]
-        header = [_KIND_POINTS, which, 0, 0, context is not None, 0, 0]
-        for at_byte, index, value in zip(_POINT_ATTRIBUTE_BYTES, self._point_values[instrument], key, strict=False):
-            header[at_byte] = index[value]
-        for first in range(0, len(values), per):
-            chunk = values[first : first + per]
-            offset = self.ring_offset + (write % self.capacity) * self.slot
-            at = offset + _FIXED.size
-            if context is not None:
-                trace_id, span_id, flags, remote = context
-                _LINK.pack_into(buf, at, trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"), flags, remote)
-                at += _LINK.size
-            for value in chunk:
-                _VALUE.pack_into(buf, at, value)
-                at += _VALUE.size
-            _FIXED.pack_into(buf, offset, *header, time_ns, time_ns, math.nan, len(chunk), 0, 0, b"", b"")
-            write += 1
-        ints[WRITE] = write
-        return True
-
     def pending(self) -> int:
         return int(self.ints[WRITE] - self.ints[READ])
 
     # ------------------------------------------------------------------ consumer (exporter, one thread)
-    def take(self, limit: int) -> list[Record]:
-        """Decode up to ``limit`` records (one a slot), oldest first; their slots are free again at :meth:`settle`."""
+    def take(self, limit: int) -> list[TransferRecord]:
+        """Decode up to ``limit`` transfers (one a slot), oldest first; their slots are free again at :meth:`settle`."""
         ints = self.ints
         read, write = ints[READ], ints[WRITE]
         end = min(write, read + limit)
@@ -271,21 +246,19 @@ class Channel:
         ints[READ] = end
         return out
 
-    def settle(self) -> None:
-        """Everything taken so far is done with (exported, or counted as lost): its slots are free again."""
-        self.ints[SETTLED] = self.ints[READ]
+    def settle(self, upto: int | None = None) -> None:
+        """Everything taken so far (or before the sequence number ``upto``) is done with (exported, or counted as
+        lost): its slots are free again."""
+        self.ints[SETTLED] = self.ints[READ] if upto is None else upto
 
-    def _decode(self, offset: int) -> Record:
+    def _decode(self, offset: int) -> TransferRecord:
         buf, pools = self.bytes, self.layout.pools
-        fields = _FIXED.unpack_from(buf, offset)
         (
-            kind,
             which,
             source,
             n_pools,
             n_links,
             split,
-            _,
             start,
             end,
             duration,
@@ -294,17 +267,8 @@ class Channel:
             nodes,
             policy,
             backend,
-        ) = fields
+        ) = _FIXED.unpack_from(buf, offset)
         at = offset + _FIXED.size
-        if kind == _KIND_POINTS:
-            context = None
-            if n_links:
-                context = _context(buf, at)
-                at += _LINK.size
-            values = tuple(_VALUE.unpack_from(buf, at + i * _VALUE.size)[0] for i in range(num_bytes))
-            name = _POINT_NAMES[which]
-            domains = zip(self._point_domains[name], _POINT_ATTRIBUTE_BYTES, strict=False)
-            return Points(name, tuple(domain[fields[at_byte]] for domain, at_byte in domains), values, context)
         tokens: dict[str, int] = {}
         by_pool: dict[str, int] = {}
         for _ in range(n_pools):
@@ -336,9 +300,13 @@ class Channel:
 
 
 class ChannelCounters(Counters):
-    """The counter table, plus what only the exporter counts: spans whose export failed are reported in
+    """The table, plus what only the exporter counts: spans whose export failed are reported in
     ``otel_hicache.records.dropped{transfer}`` with those the host could not queue (one writer per slot: the host
-    writes the table, the exporter ``EXPORT_DROPPED``)."""
+    writes the table, the exporter ``EXPORT_DROPPED``); and the table's start, the start of its cumulative points."""
+
+    @property
+    def start_ns(self) -> int:
+        return int(self.ints[START_NS])
 
     def values(self, name: str) -> dict[Key, int]:
         out = super().values(name)
