@@ -114,7 +114,10 @@ class HostCopyWorker(OffloadingWorker):
         assert isinstance(dst_spec, BlockIDsLoadStoreSpec)  # vLLM's CPU spec: chunk ids
         return self._copy(job_id, src_spec, dst_spec.block_ids, to_host=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        """``expedited`` (vLLM >= 0.33): a sync load, waited for within the step; copies are synchronous anyway."""
         assert isinstance(src_spec, BlockIDsLoadStoreSpec)
         return self._copy(job_id, dst_spec, src_spec.block_ids, to_host=False)
 

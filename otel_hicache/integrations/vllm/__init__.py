@@ -28,7 +28,7 @@ with ``DirectionalTransferStats.record`` and  (``CPU_to_GPU``) span and transfer
                                               vLLM's ``CPUOffloadingWorker`` (device events), ``host_clock`` for
                                               another worker. A result without size and time (third-party workers),
                                               which vLLM does not count: a transfer of its tokens and blocks with no
-                                              bytes and no duration (timing source ``none``)
+                                              byte count (unknown) and no duration (timing source ``none``)
 ``OffloadingConnectorWorker.build_connector_  the self-check: what vLLM's worker counted (bytes, timed transfers,
 worker_meta``                                 seconds per direction), handed over each step, beside what we recorded;
                                               an instrument that drifts from it counts ``otel_hicache.engine.mismatch``

@@ -1,0 +1,110 @@
+"""Each request's wait for its CPU-tier KV, on vLLM's real scheduler (:mod:`tests.vllm.stepping`): the async loads of
+every release (the request waits in ``WAITING_FOR_REMOTE_KVS``) and the sync loads of vLLM >= 0.33
+(``sync_load_budget_bytes``: the worker waits inside the step). Both are the request's ``hicache.request.kv_wait
+{host}`` and its request span's ``hicache.kv_wait.host``, and leave no state behind on the request.
+
+A request's KV reaches the CPU tier when it is computed; the engine's own prefix cache is then emptied (vLLM's
+``reset_prefix_cache``), so the same prompt again is a hit of the CPU tier only, loaded back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from otel_hicache.testing.sdk import Sdk
+from tests.vllm import stepping, support
+
+pytestmark = pytest.mark.vllm
+
+KV_WAIT = "hicache.request.kv_wait"
+PROMPT_BLOCKS = 4
+
+
+def sync_loads() -> bool:
+    """Whether this vLLM has sync loads (a load job that says whether it is one)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
+
+    return "sync" in TransferJob.__dataclass_fields__
+
+
+needs_sync_loads = pytest.mark.skipif("not sync_loads()", reason="vLLM < 0.33 has no sync loads")
+
+
+def offloaded_then_asked_again(engine: stepping.Stepper, tracing: bool = False) -> Any:
+    """Request ``a`` computes a prompt of four blocks, which goes to the CPU tier; the engine forgets it; ``b`` asks
+    the same prompt and one more token: its four blocks come back from the CPU tier."""
+    headers = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"} if tracing else None
+    engine.add("a", stepping.prompt(1, PROMPT_BLOCKS))
+    engine.run()
+    assert engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    return engine.add("b", [*stepping.prompt(1, PROMPT_BLOCKS), 7], trace_headers=headers)
+
+
+def loaded(otel: Sdk) -> list[dict[str, Any]]:
+    return [dict(s.attributes or {}) for s in otel.spans("hicache.load_back")]
+
+
+def no_state_left(request: Any) -> None:
+    from otel_hicache.integrations.vllm.per_request import _STATE
+
+    state = getattr(request, _STATE)
+    assert (state.wait_start_ns, state.matched_ns) == (0, 0)
+
+
+def test_an_async_load_is_the_requests_time_waiting_for_remote_kvs(instrumented: Sdk) -> None:
+    engine = stepping.stepper(tracing=True)
+    b = offloaded_then_asked_again(engine, tracing=True)
+    out = engine.step()
+    assert [job.req_id for job in out.kv_connector_metadata.load_jobs.values()] == ["b"]
+    assert b.status.name == "WAITING_FOR_REMOTE_KVS"  # vLLM keeps it waiting while its KV loads
+    engine.run()
+
+    ((load),) = loaded(instrumented)
+    assert load["hicache.transfer.nodes"] == PROMPT_BLOCKS
+    (wait,) = instrumented.points(KV_WAIT).values()
+    assert wait.count == 1 and wait.sum > 0
+    header = engine.finished_trace_headers()["b"]["otel-hicache"]
+    assert f"hicache.kv_wait.host={wait.sum!r}" in header
+    no_state_left(b)
+
+
+@needs_sync_loads
+def test_a_sync_load_is_the_time_the_worker_waited_for_it_inside_the_step(instrumented: Sdk) -> None:
+    """With a budget, vLLM loads the hit within the step: the request is scheduled at once, never waits in
+    ``WAITING_FOR_REMOTE_KVS``; its worker's ``start_kv_transfers`` submits the load expedited and waits for it. That
+    wait is the request's, on the metric and on its request span."""
+    engine = stepping.stepper(tracing=True, sync_load_budget_bytes=1 << 30)
+    b = offloaded_then_asked_again(engine, tracing=True)
+    out = engine.step()
+    assert [(job.req_id, job.sync) for job in out.kv_connector_metadata.load_jobs.values()] == [("b", True)]
+    assert out.num_scheduled_tokens == {"b": 1}  # its one token past the hit, in the step that loaded the rest
+    engine.run()
+
+    ((load),) = loaded(instrumented)
+    assert load["hicache.transfer.nodes"] == PROMPT_BLOCKS
+    (wait,) = instrumented.points(KV_WAIT).values()
+    assert wait.count == 1 and wait.sum >= load["hicache.transfer.copy_duration"] > 0
+    header = engine.finished_trace_headers()["b"]["otel-hicache"]
+    assert f"hicache.kv_wait.host={wait.sum!r}" in header
+    no_state_left(b)
+
+
+@needs_sync_loads
+def test_a_load_over_the_sync_budget_is_async_and_waits_as_before(instrumented: Sdk) -> None:
+    page = support.ATTENTION.page_size_bytes * len(support.LAYERS)
+    engine = stepping.stepper(sync_load_budget_bytes=page)  # one block's worth: the four-block hit is too big
+    b = offloaded_then_asked_again(engine)
+    engine.run()
+    (wait,) = instrumented.points(KV_WAIT).values()
+    assert wait.count == 1
+    no_state_left(b)
+
+
+def test_a_request_that_loads_nothing_waits_for_nothing(instrumented: Sdk) -> None:
+    engine = stepping.stepper()
+    a = engine.add("a", stepping.prompt(2, PROMPT_BLOCKS))
+    engine.run()
+    assert instrumented.points(KV_WAIT) == {}
+    no_state_left(a)
