@@ -61,6 +61,11 @@ class Stepper:
     def step(self) -> Any:
         """One engine step; returns vLLM's ``SchedulerOutput``."""
         out = self.scheduler.schedule()
+        self.execute(out)
+        return out
+
+    def execute(self, out: Any) -> None:
+        """The worker's part of a scheduled step, then its output back to the scheduler."""
         worker = self.worker
         metadata = out.kv_connector_metadata
         worker.handle_preemptions(metadata)
@@ -85,7 +90,6 @@ class Stepper:
             ),
         )
         self.outputs.append(self.scheduler.update_from_output(out, output))
-        return out
 
     def run(self, steps: int = 50) -> None:
         """Step until no request is left (at most ``steps``)."""
@@ -106,15 +110,18 @@ class Stepper:
         return headers
 
 
-def stepper(cpu_chunks: int = 16, tracing: bool = False, **extra: Any) -> Stepper:
+def stepper(cpu_chunks: int = 16, tracing: bool = False, deferred_loads: bool = False, **extra: Any) -> Stepper:
     """An engine whose CPU tier holds ``cpu_chunks`` blocks; ``extra``: more ``kv_connector_extra_config`` (e.g.
     ``sync_load_budget_bytes``); ``tracing``: vLLM's request tracing on (an endpoint nothing listens on: the tracing
-    level reads what the engine core sends back, not an export)."""
+    level reads what the engine core sends back, not an export); ``deferred_loads``: vLLM >= 0.33 defers an async
+    load admitted while a step is in flight until that step's output is in (see :meth:`Stepper.execute`)."""
     config, kv_cache_config = support.vllm_config(cpu_chunks)
     assert config.kv_transfer_config is not None
     config.kv_transfer_config.kv_connector_extra_config.update(extra)
     config.cache_config.enable_prefix_caching = True
     config.cache_config.num_gpu_blocks = support.NUM_GPU_BLOCKS
+    # steps in flight while the next is scheduled: vLLM defers freeing blocks (and, below, loads)
+    config.scheduler_config.async_scheduling = deferred_loads
     if tracing:
         config.observability_config.otlp_traces_endpoint = "http://127.0.0.1:9"
     scheduler = Scheduler(
@@ -124,6 +131,11 @@ def stepper(cpu_chunks: int = 16, tracing: bool = False, **extra: Any) -> Steppe
         block_size=support.BLOCK_SIZE,
         log_stats=True,
     )
+    if deferred_loads:
+        # vLLM >= 0.33 sets it for a HiSparse layout with a step in flight (async scheduling), which needs its CUDA
+        # HiSparse kernels; set here, vLLM's own deferral runs (Scheduler.deferred_loads, _drain_deferred_loads)
+        assert scheduler.defer_block_free and hasattr(scheduler, "defer_async_loads")
+        scheduler.defer_async_loads = True
     worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     generator = torch.Generator().manual_seed(0)
     worker.register_kv_caches(

@@ -9,10 +9,12 @@ A request's KV reaches the CPU tier when it is computed; the engine's own prefix
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
+from otel_hicache.integrations.vllm.per_request import _STATE
 from otel_hicache.testing.sdk import Sdk
 from tests.vllm import stepping, support
 
@@ -35,10 +37,18 @@ needs_sync_loads = pytest.mark.skipif("not sync_loads()", reason="vLLM < 0.33 ha
 def offloaded_then_asked_again(engine: stepping.Stepper, tracing: bool = False) -> Any:
     """Request ``a`` computes a prompt of four blocks, which goes to the CPU tier; the engine forgets it; ``b`` asks
     the same prompt and one more token: its four blocks come back from the CPU tier."""
-    headers = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"} if tracing else None
+    offloaded(engine)
+    return asked_again(engine, tracing)
+
+
+def offloaded(engine: stepping.Stepper) -> None:
     engine.add("a", stepping.prompt(1, PROMPT_BLOCKS))
     engine.run()
     assert engine.scheduler.kv_cache_manager.reset_prefix_cache()
+
+
+def asked_again(engine: stepping.Stepper, tracing: bool = False) -> Any:
+    headers = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"} if tracing else None
     return engine.add("b", [*stepping.prompt(1, PROMPT_BLOCKS), 7], trace_headers=headers)
 
 
@@ -47,8 +57,6 @@ def loaded(otel: Sdk) -> list[dict[str, Any]]:
 
 
 def no_state_left(request: Any) -> None:
-    from otel_hicache.integrations.vllm.per_request import _STATE
-
     state = getattr(request, _STATE)
     assert (state.wait_start_ns, state.matched_ns) == (0, 0)
 
@@ -108,3 +116,37 @@ def test_a_request_that_loads_nothing_waits_for_nothing(instrumented: Sdk) -> No
     engine.run()
     assert instrumented.points(KV_WAIT) == {}
     no_state_left(a)
+
+
+@needs_sync_loads  # deferred loads come with the same release
+def test_a_deferred_load_waits_from_its_admission_its_deferral_included(instrumented: Sdk) -> None:
+    """vLLM >= 0.33 defers an async load admitted while an earlier step is in flight: the request waits in
+    ``WAITING_FOR_REMOTE_KVS`` from its admission, but the connector hears of it (``update_state_after_alloc``) only
+    once that step's output is in. Its wait starts at the admission."""
+    engine = stepping.stepper(deferred_loads=True, tracing=True)
+    offloaded(engine)
+    c = engine.add("c", stepping.prompt(3, 1), max_tokens=4)
+    engine.step()  # c's prefill
+    in_flight = engine.scheduler.schedule()  # c's first decode, its output not in yet
+    b = asked_again(engine, tracing=True)
+    before = time.monotonic_ns()
+    admitting = engine.scheduler.schedule()
+    admitted = time.monotonic_ns()
+    assert b.status.name == "WAITING_FOR_REMOTE_KVS" and "b" in engine.scheduler.deferred_loads
+    assert not admitting.kv_connector_metadata.load_jobs  # deferred
+
+    engine.execute(in_flight)  # its output is in: vLLM starts b's load (update_state_after_alloc)
+    loading = time.monotonic_ns()
+    assert "b" not in engine.scheduler.deferred_loads
+    state = getattr(b, _STATE)
+    assert before <= state.wait_start_ns <= admitted  # the wait runs from the admission, not from now
+    engine.execute(admitting)
+    engine.run()
+
+    ((load),) = loaded(instrumented)
+    assert load["hicache.transfer.nodes"] == PROMPT_BLOCKS
+    (wait,) = instrumented.points(KV_WAIT).values()
+    assert wait.count == 1 and wait.sum >= (loading - admitted) / 1e9
+    assert f"hicache.kv_wait.host={wait.sum!r}" in engine.finished_trace_headers()["b"]["otel-hicache"]
+    no_state_left(b)
+    no_state_left(c)
