@@ -40,7 +40,7 @@ class Stepper:
     @property
     def connector(self) -> Any:
         """The scheduler role's ``OffloadingConnectorScheduler``."""
-        return self.scheduler.connector.connector_scheduler  # type: ignore[union-attr]
+        return self.scheduler.connector.connector_scheduler
 
     def add(
         self, name: str, prompt: list[int], max_tokens: int = 1, trace_headers: dict[str, str] | None = None
@@ -70,7 +70,7 @@ class Stepper:
         metadata = out.kv_connector_metadata
         worker.handle_preemptions(metadata)
         worker.bind_connector_metadata(metadata)
-        worker.start_load_kv(None)  # type: ignore[arg-type]  # the offloading connector reads no forward context
+        worker.start_load_kv(None)  # the offloading connector reads no forward context
         worker.wait_for_save()
         sending, receiving = worker.get_finished(out.finished_req_ids)
         worker_meta = worker.build_connector_worker_meta()

@@ -157,7 +157,7 @@ def _stated_capacity(manager: Any, tokens_per_block: int) -> int | None:
     """The tier's capacity in tokens as vLLM states it (``config_info()``, vLLM >= 0.33: one series per cache the
     manager holds; vLLM's CPU manager holds one), or None where it states none."""
     config_info = getattr(manager, "config_info", None)
-    series = config_info() if callable(config_info) else ()
+    series: list[Any] = list(config_info()) if callable(config_info) else []
     if len(series) != 1 or "cpu_num_chunks" not in series[0]:
         return None
     info = series[0]
