@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from otel_hicache.integrations.vllm.per_request import _STATE
+from otel_hicache.integrations.vllm.semconv import SYNC_WAITS
 from otel_hicache.testing.sdk import Sdk
 from tests.vllm import stepping, support
 
@@ -150,3 +151,21 @@ def test_a_deferred_load_waits_from_its_admission_its_deferral_included(instrume
     assert f"hicache.kv_wait.host={wait.sum!r}" in engine.finished_trace_headers()["b"]["otel-hicache"]
     no_state_left(b)
     no_state_left(c)
+
+
+@needs_sync_loads
+def test_tensor_parallel_workers_sync_waits_merge_into_the_slowest(instrumented: Sdk) -> None:
+    """Each worker waits for its share of a sync load; vLLM merges their metadata (``aggregate``) into what the
+    scheduler gets: the request's wait is the slowest worker's, as the step waited for it."""
+    metas = []
+    for rank in (0, 1):
+        engine = support.engine(rank=rank, tp=2)
+        keys = engine.store("b", [0, 1, 2])
+        assert keys is not None
+        engine.load("b", keys, [10, 11, 12], sync=True)
+        metas.append(engine.last_worker_meta)
+    waits = [getattr(meta, SYNC_WAITS) for meta in metas]
+    assert [list(w) for w in waits] == [["b"], ["b"]] and all(w["b"] > 0 for w in waits)
+    merged = metas[0].aggregate(metas[1])
+    assert getattr(merged, SYNC_WAITS) == {"b": max(w["b"] for w in waits)}
+    assert dict(merged.completed_jobs) == {job: 2 for job in metas[0].completed_jobs}  # vLLM's own merge, as ever
