@@ -59,7 +59,7 @@ def loaded(otel: Sdk) -> list[dict[str, Any]]:
 
 def no_state_left(request: Any) -> None:
     state = getattr(request, _STATE)
-    assert (state.wait_start_ns, state.matched_ns) == (0, 0)
+    assert (state.wait_start_ns, state.matched_ns, state.sync_load) == (0, 0, False)
 
 
 def test_an_async_load_is_the_requests_time_waiting_for_remote_kvs(instrumented: Sdk) -> None:

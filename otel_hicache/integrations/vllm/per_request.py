@@ -142,7 +142,7 @@ class RequestHooks(EngineHooks):
             state.wait_start_ns = 0 if state.sync_load else state.matched_ns or time.monotonic_ns()
             kinds = {str(getattr(s, "value", s)) for s in sources}
             state.wait_tier = sc.Tier.STORAGE if kinds == {"disk"} else sc.Tier.HOST
-        state.matched_ns = 0
+        state.matched_ns, state.sync_load = 0, False
         _publish(request)
         return result
 
