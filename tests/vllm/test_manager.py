@@ -4,6 +4,8 @@ holds across a whole step - is never taken by us, nor needed to read the tier.""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import sys
 import threading
 from types import TracebackType
@@ -96,3 +98,24 @@ def test_the_capacity_vllm_states_in_kv_offload_config_info_is_our_pool_limit(in
     stated = info["cpu_num_chunks"] * info["cpu_blocks_per_chunk"] * support.BLOCK_SIZE
     assert instrumented.value("hicache.pool.limit", HOST) == stated == 8 * support.BLOCK_SIZE
     assert sum(instrumented.counters()[MISMATCH].values()) == 0
+
+
+class MisstatingSpec(support.HostCopySpec):
+    """An out-of-tree spec whose manager states one chunk more than it holds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cpu_info = dataclasses.replace(self.cpu_info, cpu_num_chunks=self.num_chunks + 1)
+
+
+def test_a_stated_capacity_the_manager_does_not_hold_is_a_mismatch_with_one_warning(
+    instrumented: Sdk, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="otel_hicache"):
+        engine = stepping.stepper(cpu_chunks=8, spec_name="MisstatingSpec", spec_module_path=__name__)
+        assert engine.connector.manager._num_chunks == 8
+        assert instrumented.value("hicache.pool.limit", HOST) == 9 * support.BLOCK_SIZE  # what vLLM states
+        assert instrumented.counters()[MISMATCH] == {("hicache.pool.limit",): 1}
+        assert instrumented.counters()[MISMATCH] == {("hicache.pool.limit",): 1}  # counted once
+    warnings = [r.getMessage() for r in caplog.records if "disagrees with the engine" in r.getMessage()]
+    assert len(warnings) == 1 and "hicache.pool.limit" in warnings[0]
