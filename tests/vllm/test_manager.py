@@ -105,7 +105,8 @@ class MisstatingSpec(support.HostCopySpec):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.cpu_info = dataclasses.replace(self.cpu_info, cpu_num_chunks=self.num_chunks + 1)
+        stated = vars(self)["cpu_info"]  # vLLM >= 0.33: CPUOffloadingInfo, what its manager will state
+        self.cpu_info = dataclasses.replace(stated, cpu_num_chunks=self.num_chunks + 1)
 
 
 def test_a_stated_capacity_the_manager_does_not_hold_is_a_mismatch_with_one_warning(
