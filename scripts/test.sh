@@ -3,11 +3,13 @@
 #   - .venv        the project + test extras (scripts/setup.sh)
 #   - .venv-sglang the real SGLang 0.5.23 HiCache classes on CPU (scripts/setup-sglang-venv.sh)
 #   - .venv-vllm   the real vLLM 0.32 KV offloading connector on CPU (scripts/setup-vllm-venv.sh, ~3.5 GB, ~2.5 min)
+#   - .venv-vllm-0.33 vLLM 0.33's Python code: its CUDA wheel on the CPU (VLLM_VERSION=0.33.0 scripts/setup-vllm-venv.sh,
+#                  ~7.1 GB, ~2.7 min); the vLLM suite runs in both, the real-engine tests in .venv-vllm only
 #   - prometheus + promtool from Debian (apt-get, when missing)
 # Lint (ruff), types (mypy), then the tests (doctests of every module included).
 # Set SKIP_SGLANG=1 to skip the SGLang suite (and its ~6 GB venv), SKIP_VLLM=1 the vLLM suite (and its venv).
 # SGLANG_VERSION=0.5.22 runs the SGLang suite against the previous release instead (in .venv-sglang-0.5.22); CI runs
-# 0.5.23.
+# 0.5.23. VLLM_VERSION=0.32.0 or 0.33.0 runs the vLLM suite against that release only; CI runs both.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -28,7 +30,12 @@ if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
   sglang_venv=.venv-sglang; [[ "${SGLANG_VERSION:-0.5.23}" == 0.5.23 ]] || sglang_venv=".venv-sglang-$SGLANG_VERSION"
   [[ -x "$sglang_venv/bin/python" ]] || need_mb=$((need_mb + 6600))
 fi
-[[ "${SKIP_VLLM:-0}" == 1 || -x .venv-vllm/bin/python ]] || need_mb=$((need_mb + 3700))
+vllm_versions=()
+[[ "${SKIP_VLLM:-0}" == 1 ]] || read -r -a vllm_versions <<<"${VLLM_VERSION:-0.32.0 0.33.0}"
+vllm_venv() { if [[ $1 == 0.32.0 ]]; then echo .venv-vllm; else echo ".venv-vllm-${1%.*}"; fi; }
+for version in "${vllm_versions[@]}"; do
+  [[ -x "$(vllm_venv "$version")/bin/python" ]] || need_mb=$((need_mb + $([[ $version == 0.32.0 ]] && echo 3700 || echo 7300)))
+done
 free_mb=$(df -Pm . | awk 'NR == 2 {print $4}')
 if ((free_mb < need_mb)); then
   printf 'test.sh: the test venvs still to be built need about %d MB free in %s; %d MB is (SKIP_SGLANG=1 or SKIP_VLLM=1 needs less)\n' \
@@ -40,9 +47,10 @@ bash scripts/setup.sh || { echo "test.sh: scripts/setup.sh failed" >&2; exit 1; 
 if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
   bash scripts/setup-sglang-venv.sh || { echo "test.sh: scripts/setup-sglang-venv.sh failed" >&2; exit 1; }
 fi
-if [[ "${SKIP_VLLM:-0}" != 1 ]]; then
-  bash scripts/setup-vllm-venv.sh || { echo "test.sh: scripts/setup-vllm-venv.sh failed" >&2; exit 1; }
-fi
+for version in "${vllm_versions[@]}"; do
+  VLLM_VERSION=$version bash scripts/setup-vllm-venv.sh \
+    || { echo "test.sh: VLLM_VERSION=$version scripts/setup-vllm-venv.sh failed" >&2; exit 1; }
+done
 
 status=0
 .venv/bin/ruff check . || status=1
@@ -56,10 +64,10 @@ if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
   "$sglang_venv/bin/python" -m pytest -p no:cacheprovider -m sglang tests/sglang tests/test_benchmarks_smoke.py "$@"
   rc=$?; [[ $rc -eq 0 || $rc -eq 5 ]] || status=$rc
 fi
-if [[ "${SKIP_VLLM:-0}" != 1 ]]; then
+for version in "${vllm_versions[@]}"; do
   # vLLM and what it imports report usage over the network unless told not to
   VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 LMCACHE_TRACK_USAGE=false \
-    .venv-vllm/bin/python -m pytest -p no:cacheprovider -m vllm tests/vllm "$@"
+    "$(vllm_venv "$version")/bin/python" -m pytest -p no:cacheprovider -m vllm tests/vllm "$@"
   rc=$?; [[ $rc -eq 0 || $rc -eq 5 ]] || status=$rc
-fi
+done
 exit $status

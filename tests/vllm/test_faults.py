@@ -97,8 +97,9 @@ def test_a_result_without_size_and_time_is_a_transfer_of_unknown_size_that_vllm_
     instrumented: Sdk,
 ) -> None:
     """Only third-party workers produce such results. The blocks did move (vLLM completes the job), so it is a
-    transfer with its tokens and blocks; its size and duration are unknown: no bytes, no duration point (timing source
-    ``none``), which keeps bytes, time and count equal to vLLM's, which counts nothing for it."""
+    transfer with its tokens and blocks; its size and duration are unknown: no byte count on its span (not 0), no
+    bytes counted, no duration point (timing source ``none``), which keeps bytes, time and count equal to vLLM's,
+    which counts nothing for it."""
     engine = faulty_engine(with_results(transfer_size=None, transfer_time=None))
     assert engine.store("a", [0, 1, 2])
     vllm = engine.vllm_stats()
@@ -107,6 +108,7 @@ def test_a_result_without_size_and_time_is_a_transfer_of_unknown_size_that_vllm_
     assert span["hicache.transfer.nodes"] == 3
     assert span["hicache.timing.source"] == "none"
     assert "hicache.transfer.copy_duration" not in span
+    assert "hicache.transfer.byte_count" not in span
     assert instrumented.points("hicache.transfer.duration") == {}
     sizes = instrumented.counters()["hicache.transfer.size"]
     assert sum(sizes.values()) == vllm.get("vllm:kv_offload_store_bytes", 0) == 0

@@ -113,7 +113,7 @@ def test_every_target_fits_this_vllm_and_is_patched_with_no_warning(
     otel: Sdk, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Each target's declared shape (a plain function whose leading parameters are the ones its wrapper reads) is
-    vLLM 0.32's: the base's shape check lets every one through, exactly once."""
+    this vLLM's (0.32 or 0.33): the base's shape check lets every one through, exactly once."""
     from otel_hicache.integrations.vllm import VLLMOffloadInstrumentor
     from otel_hicache.integrations.vllm.instrumentor import _TARGETS
 

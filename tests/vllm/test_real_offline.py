@@ -36,13 +36,14 @@ from tests.vllm.engine import (
     assert_transfers_equal_vllms,
     environment,
     holds_what_vllm_counted,
+    needs_cpu_build,
     otlp_environment,
     run_offline,
     vllm_total,
 )
 from tests.vllm.offline_app import result
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), needs_cpu_build]
 
 CPU_CHUNKS = 15
 REQUESTS = (1, 2, 3, 1, 4, 5, 6)

@@ -28,13 +28,14 @@ from tests.vllm.engine import (
     assert_transfers_equal_vllms,
     environment,
     holds_what_vllm_counted,
+    needs_cpu_build,
     otlp_environment,
     prompt,
     serve,
     vllm_total,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), needs_cpu_build]
 
 CPU_CHUNKS = 16
 TP = 2

@@ -160,14 +160,16 @@ def _weak_callback(emitter: Emitter, name: str) -> Callable[[CallbackOptions], l
 
 def transfer_span_attributes(record: TransferRecord) -> dict[str, Any]:
     """The attributes of a transfer span: totals, per-pool tokens and bytes, counts, timing."""
+    tokens = sum(record.tokens_by_pool.values())
     attrs: dict[str, Any] = {
         sc.ATTR_OPERATION: record.operation.value,
-        sc.ATTR_TOKENS: sum(record.tokens_by_pool.values()),
-        sc.ATTR_BYTES: record.num_bytes,
+        sc.ATTR_TOKENS: tokens,
         sc.ATTR_MERGED_OPS: record.merged_ops,
         sc.ATTR_NODES: record.node_count,
         sc.ATTR_TIMING_SOURCE: record.timing_source.value,
     }
+    if record.num_bytes or not tokens:  # tokens moved in no bytes: a size the engine did not tell, not 0
+        attrs[sc.ATTR_BYTES] = record.num_bytes
     for pool, n in record.tokens_by_pool.items():
         attrs[f"{sc.ATTR_POOL_TOKENS}.{pool}"] = n
     if record.bytes_by_pool is not None:

@@ -1,4 +1,4 @@
-"""OpenTelemetry for vLLM's KV offloading (``vllm >= 0.32``, CUDA or CPU build), with no change to vLLM's code.
+"""OpenTelemetry for vLLM's KV offloading (``vllm >= 0.32, < 0.34``, CUDA or CPU build), with no change to vLLM's code.
 
 Zero-code, two ways. vLLM loads the ``vllm.general_plugins`` entry point ``vllm_kv_offload`` in every one of its
 processes (:mod:`.plugin`); each process that offloads configures telemetry from the ``OTEL_*`` environment at its
@@ -28,27 +28,33 @@ with ``DirectionalTransferStats.record`` and  (``CPU_to_GPU``) span and transfer
                                               vLLM's ``CPUOffloadingWorker`` (device events), ``host_clock`` for
                                               another worker. A result without size and time (third-party workers),
                                               which vLLM does not count: a transfer of its tokens and blocks with no
-                                              bytes and no duration (timing source ``none``)
+                                              byte count (unknown) and no duration (timing source ``none``)
 ``OffloadingConnectorWorker.build_connector_  the self-check: what vLLM's worker counted (bytes, timed transfers,
-worker_meta``                                 seconds per direction), handed over each step, beside what we recorded;
-                                              an instrument that drifts from it counts ``otel_hicache.engine.mismatch``
-                                              (one warning)
+worker_meta``, ``OffloadingWorkerMetadata.   seconds per direction), handed over each step, beside what we recorded;
+aggregate``                                   an instrument that drifts from it counts ``otel_hicache.engine.mismatch``
+                                              (one warning); the wait of each sync load (vLLM >= 0.33: the time
+                                              ``start_kv_transfers`` waited for it) rides to the scheduler on that
+                                              metadata
 ``OffloadingConnectorStats.increase_counter`` ``hicache.transfer.failures{operation=backup, error.type=host_pool_full}``
 (``vllm:kv_offload_allocation_failure``)      per failed CPU-tier allocation
 ``CPUOffloadingSpec.get_manager``             ``hicache.pool.usage`` / ``.limit`` of tier ``host`` from the start:
-                                              chunks holding KV (cached or in flight) and capacity, x tokens per chunk
+                                              chunks holding KV (cached or in flight) x tokens per chunk, and the
+                                              capacity vLLM states (``config_info()``, vLLM >= 0.33; else the
+                                              manager's chunks), checked against the manager's chunks (self-check)
 ``CPUOffloadingManager.prepare_store`` with   ``hicache.eviction.tokens`` / ``.duration`` of tier ``host``: chunks the
 ``_free_chunk``; ``prepare_load``             call evicted x tokens per chunk, host-clock timed; per chunk
                                               ``hicache.eviction.reused`` (a load read it), ``hicache.eviction.age``
                                               (idle since it was written or read) and, unread,
                                               ``hicache.wasted.size{operation=backup}`` (:mod:`.cpu_tier`)
-``OffloadingConnectorScheduler.update_state_  per admitted request, once: ``hicache.prefill.tokens{mode}`` from vLLM's
-after_alloc``                                 ``PrefillStats`` and the connector's hits by source (``input``,
-                                              ``device_hit``, ``host_hit``, ``storage_hit``, ``other``); a request that
-                                              loads KV starts waiting
-``Scheduler._update_waiting_for_remote_kv``   ``hicache.request.kv_wait{tier=host}``: the time the request spent in
-                                              ``WAITING_FOR_REMOTE_KVS``, vLLM's state for a request whose KV the
-                                              connector loads
+``OffloadingConnectorScheduler.get_num_new_  per admitted request, once: ``hicache.prefill.tokens{mode}`` from vLLM's
+matched_tokens``, ``update_state_after_      ``PrefillStats`` and the connector's hits by source (``input``,
+alloc``                                       ``device_hit``, ``host_hit``, ``storage_hit``, ``other``); a request that
+                                              loads KV asynchronously waits from its admission (a deferred load's
+                                              deferral included)
+``Scheduler._update_waiting_for_remote_kv``,  ``hicache.request.kv_wait{tier=host}``: the time the request spent in
+``Scheduler.update_from_output``              ``WAITING_FOR_REMOTE_KVS``, vLLM's state for a request whose KV the
+                                              connector loads; for a sync load
+                                              (vLLM >= 0.33), the time the workers waited for it inside the step
 ``Scheduler.add_request``,                    with vLLM's tracing on (``--otlp-traces-endpoint``): vLLM's request
 ``OffloadingConnectorScheduler.build_         span ``llm_request`` gets ``hicache.prefix.tokens.<mode>`` and
 connector_meta``, ``OutputProcessor.          ``hicache.kv_wait.host``, and each transfer span links to the request

@@ -10,6 +10,13 @@ frees (``CPUOffloadingManager._free_chunk`` inside ``prepare_store``) each becom
 its store wrote (``hicache.wasted.size{operation=backup}``). A chunk's bytes are those of one block of every worker
 (``worker_kv_bytes_per_block`` x blocks per chunk x workers holding a copy); with several KV cache groups, whose
 chunks hold one group's pages each, the bytes are not known and are not reported (ages and reuse are).
+
+The tier's capacity (``hicache.pool.limit``) is what vLLM itself states where it does (vLLM >= 0.33: the manager's
+``config_info()``, its ``vllm:kv_offload_config_info`` series: chunks x blocks per chunk), else the manager's chunks;
+a self-check compares the two (``otel_hicache.engine.mismatch{hicache.pool.limit}``). vLLM >= 0.33 guards its manager
+with a ``lock`` its scheduler holds for a whole step: nothing here takes it. The wrappers of the manager's methods run
+under it (vLLM calls them there) and only note a few numbers; the occupancy is read at collection, on our own thread,
+from two integers and a list length, without the lock.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 
 from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, WeakPoolSource
 from otel_hicache.records import EvictedEntry, EvictionRecord, PoolUsage
-from otel_hicache.semconv import DEFAULT_POOL, Tier, TransferOperation
+from otel_hicache.semconv import DEFAULT_POOL, METRIC_POOL_LIMIT, Tier, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import now_ns
 
@@ -89,7 +96,12 @@ class CpuTierHooks(EngineHooks):
             )
             with self._lock:
                 self._tiers[manager] = _CpuTier(sink, manager._num_chunks, tokens_per_chunk, chunk_bytes)
-            sink.add_pool_usage_source(WeakPoolSource(manager, partial(_cpu_tier_usage, tokens_per_chunk), sink))
+            stated = _stated_capacity(manager, config.groups[0].tokens_per_block)
+            capacity = manager._num_chunks * tokens_per_chunk if stated is None else stated
+            usage = partial(_cpu_tier_usage, tokens_per_chunk, capacity)
+            sink.add_pool_usage_source(WeakPoolSource(manager, usage, sink))
+            if stated is not None:
+                sink.add_engine_check(_CapacityCheck(manager, tokens_per_chunk, stated, sink))
         return manager
 
     def prepare_store(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -135,14 +147,42 @@ def _ids(chunk_ids: Any) -> list[int]:
     return [int(c) for c in (chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else chunk_ids)]
 
 
-def _cpu_tier_usage(tokens_per_chunk: int, manager: Any) -> list[PoolUsage]:
-    """The CPU tier's chunks holding KV (cached or in flight) and its capacity, in tokens, read at collection."""
+def _cpu_tier_usage(tokens_per_chunk: int, capacity: int, manager: Any) -> list[PoolUsage]:
+    """The CPU tier's chunks holding KV (cached or in flight), in tokens, read at collection, and its capacity."""
     held = manager._num_allocated_chunks - len(manager._free_list)
-    return [
-        PoolUsage(
-            tier=Tier.HOST,
-            pool=DEFAULT_POOL,
-            used=held * tokens_per_chunk,
-            limit=manager._num_chunks * tokens_per_chunk,
-        )
-    ]
+    return [PoolUsage(tier=Tier.HOST, pool=DEFAULT_POOL, used=held * tokens_per_chunk, limit=capacity)]
+
+
+def _stated_capacity(manager: Any, tokens_per_block: int) -> int | None:
+    """The tier's capacity in tokens as vLLM states it (``config_info()``, vLLM >= 0.33: one series per cache the
+    manager holds; vLLM's CPU manager holds one), or None where it states none."""
+    config_info = getattr(manager, "config_info", None)
+    series: list[Any] = list(config_info()) if callable(config_info) else []
+    if len(series) != 1 or "cpu_num_chunks" not in series[0]:
+        return None
+    info = series[0]
+    return int(info["cpu_num_chunks"]) * int(info["cpu_blocks_per_chunk"]) * tokens_per_block
+
+
+class _CapacityCheck:
+    """The engine check of one CPU tier: the capacity vLLM states (what ``hicache.pool.limit`` reports) against the
+    chunks its manager holds; a difference is one mismatch."""
+
+    __slots__ = ("_manager", "_reported", "_sink", "_stated", "_tokens_per_chunk")
+
+    def __init__(self, manager: Any, tokens_per_chunk: int, stated: int, sink: HiCacheTelemetry) -> None:
+        self._manager = weakref.ref(manager)
+        self._tokens_per_chunk = tokens_per_chunk
+        self._stated = stated
+        self._sink = sink
+        self._reported = False
+
+    def __call__(self) -> list[str]:
+        manager = self._manager()
+        if manager is None:  # the tier is gone
+            self._sink.remove_engine_check(self)
+            return []
+        if self._reported or manager._num_chunks * self._tokens_per_chunk == self._stated:
+            return []
+        self._reported = True
+        return [METRIC_POOL_LIMIT]

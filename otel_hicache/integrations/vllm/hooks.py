@@ -8,6 +8,12 @@ worker's ``TransferResult``: the wrapper sees each result exactly where vLLM cou
 ``OffloadingWorkerMetadata.mark_completed(job_id)``. Scheduler side (the engine-core process):
 ``OffloadingConnectorStats.increase_counter`` of the allocation-failure counter.
 
+Sync loads (vLLM >= 0.33, a load job with ``sync`` set): ``start_kv_transfers`` submits them and waits for them
+before the step's forward pass; how long that call took is the wait of each request it loaded for, handed to the
+scheduler on the step's worker metadata (:data:`~otel_hicache.integrations.vllm.semconv.SYNC_WAITS`; the slowest
+worker's when vLLM merges its workers' metadata with ``OffloadingWorkerMetadata.aggregate``), where it becomes the
+request's KV wait (:mod:`.per_request`).
+
 Tokens of a transfer are the logical token positions it covers, per pool by the kind of each KV cache group
 (:data:`~otel_hicache.integrations.vllm.semconv.GROUP_POOLS`: full attention ``kv``, sliding window ``swa``, ...): a
 group's tokens are its GPU blocks in the transfer x its tokens per block, and a pool's tokens are the largest of its
@@ -31,6 +37,7 @@ from __future__ import annotations
 import importlib
 import math
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -38,7 +45,7 @@ from typing import Any, NamedTuple
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, trim
-from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE, LINKS, group_pool
+from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE, LINKS, SYNC_WAITS, group_pool
 from otel_hicache.records import TransferFailure, TransferRecord
 from otel_hicache.semconv import (
     DEFAULT_POOL,
@@ -92,12 +99,23 @@ class _Connector:
     """One ``OffloadingConnectorWorker``'s KV groups and submitted transfers (by vLLM job id), and the totals the
     self-check compares."""
 
-    __slots__ = ("__weakref__", "compared", "groups", "ours", "pending", "sink", "theirs", "worker_timing")
+    __slots__ = (
+        "__weakref__",
+        "compared",
+        "groups",
+        "ours",
+        "pending",
+        "sink",
+        "sync_waits",
+        "theirs",
+        "worker_timing",
+    )
 
     def __init__(self, sink: HiCacheTelemetry | None, groups: tuple[_Group, ...]) -> None:
         self.sink = sink
         self.groups = groups
         self.pending: dict[int, _Pending] = {}
+        self.sync_waits: dict[str, float] = {}  # request id -> seconds waited for its sync load, until handed over
         self.worker_timing: TimingSource | None = None
         # [bytes, timed count, seconds] per direction: what we recorded, what vLLM handed over
         self.ours = {op: [0.0, 0.0, 0.0] for op in _DIRECTIONS}
@@ -204,11 +222,22 @@ class OffloadHooks(EngineHooks):
         return wrapped(*args, **kwargs)
 
     def start_kv_transfers(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """Submits queued stores and this step's loads."""
+        """Submits queued stores and this step's loads, and waits for its sync loads (vLLM >= 0.33): the time it
+        takes then is what each of their requests waited."""
         metadata = args[0] if args else kwargs["metadata"]
         self._submitted(instance)
         self._note(instance, TransferOperation.LOAD_BACK, metadata.load_jobs, now_ns(), metadata)
-        return wrapped(*args, **kwargs)
+        synced = [job.req_id for job in metadata.load_jobs.values() if getattr(job, "sync", False)]
+        if not synced:
+            return wrapped(*args, **kwargs)
+        start = time.perf_counter()
+        result = wrapped(*args, **kwargs)
+        waited = time.perf_counter() - start
+        waits = self._connector(instance).sync_waits
+        for req_id in synced:
+            waits[req_id] = waited
+        trim(waits)
+        return result
 
     def _note(self, instance: Any, operation: TransferOperation, jobs: Any, submit_ns: int, metadata: Any) -> None:
         state = self._connector(instance)
@@ -299,9 +328,26 @@ class OffloadHooks(EngineHooks):
         to the scheduler; the self-check's consistent point."""
         meta = wrapped(*args, **kwargs)
         state = self._connector(instance)
-        if state.sink is not None and meta is not None:
-            state.handed_over(meta.transfer_stats)
+        if meta is not None:
+            if state.sink is not None:
+                state.handed_over(meta.transfer_stats)
+            if state.sync_waits:  # a sync load completes in its own step: its job is in this metadata
+                setattr(meta, SYNC_WAITS, state.sync_waits)
+                state.sync_waits = {}
         return meta
+
+    def aggregate_worker_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``OffloadingWorkerMetadata.aggregate(other)``: vLLM merges its workers' metadata into a new one; the sync
+        waits go with it, the slowest worker's per request (the step waited for it)."""
+        merged = wrapped(*args, **kwargs)
+        other = args[0] if args else kwargs["other"]
+        mine, theirs = getattr(instance, SYNC_WAITS, None), getattr(other, SYNC_WAITS, None)
+        if (mine or theirs) and merged is not None:
+            waits = dict(mine or {})
+            for req_id, wait_s in (theirs or {}).items():
+                waits[req_id] = max(wait_s, waits.get(req_id, 0.0))
+            setattr(merged, SYNC_WAITS, waits)
+        return merged
 
     # ------------------------------------------------------------------ scheduler side
     def increase_counter(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -319,8 +365,9 @@ class OffloadHooks(EngineHooks):
 def _record(entry: _Pending, measured: tuple[Any, Any] | None, done_ns: int, timing: TimingSource) -> TransferRecord:
     """The transfer record of one finished job. ``measured`` is what vLLM counted for it (bytes, seconds), as vLLM
     got them (the telemetry refuses values that are not counts or durations); ``None`` for a result without size and
-    time, which vLLM does not count: then the transfer is reported with its tokens and blocks, no bytes and no
-    duration (timing source ``none``), so bytes, time and count stay equal to vLLM's."""
+    time, which vLLM does not count: then the transfer is reported with its tokens and blocks, no bytes (its span has
+    no byte count: unknown, not 0) and no duration (timing source ``none``), so bytes, time and count stay equal to
+    vLLM's."""
     submit_ns = entry.submit_ns or done_ns  # a store finished before we saw it submitted
     num_bytes, duration = measured if measured is not None else (0, None)
     return TransferRecord(

@@ -46,6 +46,7 @@ _TARGETS: Final[tuple[tuple[Target, str, str], ...]] = (
     (Target(_WORKER, _CONNECTOR_WORKER, "build_connector_worker_meta"), "offload", "build_connector_worker_meta"),
     (Target(_COMMON, "DirectionalTransferStats", "record", ("num_bytes", "time")), "offload", "transfer_stats_record"),
     (Target(_COMMON, "OffloadingWorkerMetadata", "mark_completed", ("job_id",)), "offload", "mark_completed"),
+    (Target(_COMMON, "OffloadingWorkerMetadata", "aggregate", ("other",)), "offload", "aggregate_worker_meta"),
     # the scheduler: failures, the CPU tier, requests
     (
         Target(_METRICS, "OffloadingConnectorStats", "increase_counter", ("counter_name", "counter_increase_value")),
@@ -61,6 +62,16 @@ _TARGETS: Final[tuple[tuple[Target, str, str], ...]] = (
         Target(_SCHEDULER, "Scheduler", "_update_waiting_for_remote_kv", ("request",)),
         "requests",
         "update_waiting_for_remote_kv",
+    ),
+    (
+        Target(_SCHEDULER, "Scheduler", "update_from_output", ("scheduler_output", "model_runner_output")),
+        "requests",
+        "update_from_output",
+    ),
+    (
+        Target(_CONNECTOR_SCHEDULER, "OffloadingConnectorScheduler", "get_num_new_matched_tokens", ("request",)),
+        "requests",
+        "get_num_new_matched_tokens",
     ),
     (
         Target(

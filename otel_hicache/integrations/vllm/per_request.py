@@ -9,13 +9,20 @@ carries from the frontend to the engine core and back. That carrier is how the a
 
 * scheduler, ``Scheduler.add_request``: with tracing on, the request span's identity is chosen here - the trace id of
   the request's ``traceparent`` (a new one when it has none) and a new span id - and kept on vLLM's ``Request``;
-* scheduler, ``OffloadingConnectorScheduler.update_state_after_alloc`` (admission): the tier split of vLLM's own
-  ``PrefillStats`` (``device_hit`` = its local prefix-cache hit, ``host_hit`` / ``storage_hit`` / ``other`` = the
-  connector's hit by source, ``get_external_cache_hit_sources``; ``input`` = the rest), counted once per request in
-  ``hicache.prefill.tokens``; when it loads KV, the start of its wait;
+* scheduler, ``OffloadingConnectorScheduler.get_num_new_matched_tokens``: whether the connector loads the request's
+  hit asynchronously (the step that admits it starts its wait) or within the step (vLLM >= 0.33's sync loads, with
+  ``sync_load_budget_bytes``: ``load_kv_async`` false);
+* scheduler, ``OffloadingConnectorScheduler.update_state_after_alloc`` (admission, or a step later for a deferred
+  load): the tier split of vLLM's own ``PrefillStats`` (``device_hit`` = its local prefix-cache hit, ``host_hit`` /
+  ``storage_hit`` / ``other`` = the connector's hit by source, ``get_external_cache_hit_sources``; ``input`` = the
+  rest), counted once per request in ``hicache.prefill.tokens``; the tier its KV loads from;
 * scheduler, ``Scheduler._update_waiting_for_remote_kv``: the request leaves ``WAITING_FOR_REMOTE_KVS``, the state in
-  which vLLM keeps a request while the connector loads its KV: ``hicache.request.kv_wait{tier}`` is that interval
-  (on the request's span too). A request that loaded nothing waited for nothing and records nothing;
+  which vLLM keeps a request while the connector loads its KV asynchronously: ``hicache.request.kv_wait{tier}`` is
+  that interval from its admission, a deferred load's deferral included. A
+  request that loaded nothing waited for nothing and records nothing;
+* worker, then scheduler, ``Scheduler.update_from_output``: a sync load never enters that state; the worker's
+  ``start_kv_transfers`` waits for it inside the step, and how long it waited travels back in the step's worker
+  metadata (:mod:`.hooks`): that is the request's ``hicache.request.kv_wait{tier}``;
 * scheduler, ``OffloadingConnectorScheduler.build_connector_meta``: each load and store job of a traced request
   carries the request span's context to the worker (an attribute of the connector metadata, which vLLM pickles to its
   workers); the transfer span links to it;
@@ -42,7 +49,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
 from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, warn_once
-from otel_hicache.integrations.vllm.semconv import LINKS
+from otel_hicache.integrations.vllm.semconv import LINKS, SYNC_WAITS
 from otel_hicache.records import KvWait, PrefixSplit
 from otel_hicache.timing import now_ns
 
@@ -75,12 +82,14 @@ class Identity(NamedTuple):
 class _Request:
     """Our state of one vLLM request (an attribute of vLLM's ``Request``)."""
 
-    __slots__ = ("attributes", "identity", "split_counted", "wait_start_ns", "wait_tier")
+    __slots__ = ("attributes", "identity", "matched_ns", "split_counted", "sync_load", "wait_start_ns", "wait_tier")
 
     def __init__(self, identity: Identity | None) -> None:
         self.identity = identity
         self.attributes: dict[str, int | float] = {}
         self.split_counted = False
+        self.matched_ns = 0  # when the connector last answered that it loads KV asynchronously
+        self.sync_load = False  # its last answer: a load within the step (vLLM >= 0.33's sync loads)
         self.wait_start_ns = 0
         self.wait_tier = sc.Tier.HOST
 
@@ -102,23 +111,38 @@ class RequestHooks(EngineHooks):
             _publish(request)
         return wrapped(*args, **kwargs)
 
+    def get_num_new_matched_tokens(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``OffloadingConnectorScheduler.get_num_new_matched_tokens(request, ...)``: the connector's answer, asked in
+        every step until the request is admitted. An asynchronous load's wait starts at the answer of the step that
+        admits the request (its load may start steps later: deferred loads); a load within the step (``load_kv_async``
+        false) is timed by the worker that waits for it."""
+        result = wrapped(*args, **kwargs)
+        tokens, load_async = result
+        if tokens:
+            request = args[0] if args else kwargs["request"]
+            state = _state(request)
+            state.sync_load = not load_async
+            state.matched_ns = 0 if state.sync_load else time.monotonic_ns()
+        return result
+
     def update_state_after_alloc(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingConnectorScheduler.update_state_after_alloc(request, blocks, num_external_tokens)``: the
-        request is admitted; with KV to load, it now waits for it."""
+        request is admitted (or, for a deferred load, its load starts); with KV to load asynchronously, it waits for
+        it from its admission."""
         result = wrapped(*args, **kwargs)
         request, external = _alloc_arguments(*args, **kwargs)
-        state = getattr(request, _STATE, None)
-        if state is None:
-            state = _Request(None)
-            setattr(request, _STATE, state)
+        state = _state(request)
         sources = instance.get_external_cache_hit_sources(request, external) if external else {}
         if not state.split_counted and request.num_preemptions == 0 and request.prefill_stats is not None:
             state.split_counted = True
             self._count_split(state, request.prefill_stats, sources)
         if external:
-            state.wait_start_ns = time.monotonic_ns()
+            # a sync load's wait comes from the worker (sync_waits); an async one's ends when the request leaves
+            # WAITING_FOR_REMOTE_KVS
+            state.wait_start_ns = 0 if state.sync_load else state.matched_ns or time.monotonic_ns()
             kinds = {str(getattr(s, "value", s)) for s in sources}
             state.wait_tier = sc.Tier.STORAGE if kinds == {"disk"} else sc.Tier.HOST
+        state.matched_ns, state.sync_load = 0, False
         _publish(request)
         return result
 
@@ -152,13 +176,32 @@ class RequestHooks(EngineHooks):
         if state is not None and state.wait_start_ns:
             wait_s = (time.monotonic_ns() - state.wait_start_ns) / 1e9
             state.wait_start_ns = 0
-            state.attributes[f"{sc.ATTR_KV_WAIT}.{state.wait_tier.value}"] = wait_s
-            _publish(request)
-            sink = self._sink(None)
-            if sink is not None:
-                span = None if state.identity is None else NonRecordingSpan(state.identity.context(remote=False))
-                sink.record_kv_wait(KvWait(state.wait_tier, wait_s, now_ns()), request_span=span)
+            self._waited(request, state, wait_s)
         return wrapped(*args, **kwargs)
+
+    def update_from_output(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``Scheduler.update_from_output(scheduler_output, model_runner_output)``: the step's worker metadata
+        carries how long the workers waited for its sync loads (:data:`~.semconv.SYNC_WAITS`, per request); each is
+        that request's wait, recorded before vLLM builds the step's outputs (a request may finish in this step)."""
+        output = args[1] if len(args) > 1 else kwargs["model_runner_output"]
+        connector_output = getattr(output, "kv_connector_output", None)
+        waits = getattr(getattr(connector_output, "kv_connector_worker_meta", None), SYNC_WAITS, None)
+        if waits:
+            for req_id, wait_s in waits.items():
+                request = instance.requests.get(req_id)
+                state = None if request is None else getattr(request, _STATE, None)
+                if state is not None:
+                    self._waited(request, state, float(wait_s))
+        return wrapped(*args, **kwargs)
+
+    def _waited(self, request: Any, state: _Request, wait_s: float) -> None:
+        """The request waited ``wait_s`` for its KV: its ``hicache.request.kv_wait`` and request span attribute."""
+        state.attributes[f"{sc.ATTR_KV_WAIT}.{state.wait_tier.value}"] = wait_s
+        _publish(request)
+        sink = self._sink(None)
+        if sink is not None:
+            span = None if state.identity is None else NonRecordingSpan(state.identity.context(remote=False))
+            sink.record_kv_wait(KvWait(state.wait_tier, wait_s, now_ns()), request_span=span)
 
     def build_connector_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingConnectorScheduler.build_connector_meta``: give each job of a traced request its request span's
@@ -265,6 +308,15 @@ def _identity(headers: Mapping[str, str] | None) -> Identity:
     while not span_id:
         span_id = random.getrandbits(64)
     return Identity(trace_id, span_id, flags & 0xFF)
+
+
+def _state(request: Any) -> _Request:
+    """Our state of ``request``, made now if it has none (vLLM's tracing off)."""
+    state = getattr(request, _STATE, None)
+    if state is None:
+        state = _Request(None)
+        setattr(request, _STATE, state)
+    return state
 
 
 def _publish(request: Any) -> None:

@@ -44,6 +44,9 @@ def group_pool(kind: str, is_eagle_group: bool, role: str) -> str:
 #: The attribute of vLLM's connector metadata that carries, per job, the context of the request span it serves
 #: (trace id, span id, flags) from the scheduler to the workers (see :mod:`.per_request`).
 LINKS: Final = "_otel_hicache_links"
+#: The attribute of vLLM's worker metadata (``OffloadingWorkerMetadata``) that carries, per request, how long the
+#: workers' ``start_kv_transfers`` waited for its sync load (seconds; the slowest worker's), back to the scheduler.
+SYNC_WAITS: Final = "_otel_hicache_sync_waits"
 
 #: vLLM's own allocation-failure counter (``OffloadingConnectorStats`` key): each increment is one store that found
 #: no room in the CPU tier.
