@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any
 
 from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, WeakPoolSource
+from otel_hicache.integrations.vllm.hooks import await_export_process
 from otel_hicache.records import EvictedEntry, EvictionRecord, PoolUsage
 from otel_hicache.semconv import DEFAULT_POOL, Tier, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
@@ -90,6 +91,7 @@ class CpuTierHooks(EngineHooks):
             with self._lock:
                 self._tiers[manager] = _CpuTier(sink, manager._num_chunks, tokens_per_chunk, chunk_bytes)
             sink.add_pool_usage_source(WeakPoolSource(manager, partial(_cpu_tier_usage, tokens_per_chunk), sink))
+            await_export_process(self.sink)  # the engine core builds its CPU tier while it starts
         return manager
 
     def prepare_store(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
