@@ -14,15 +14,16 @@ One seeded workload per round, the same for every engine: prompts made of 10 doc
 ``i`` drawn with weight ``1 / (i + 1) ** 1.2`` (Pareto-like reuse), each followed by 16 tokens of its own;
 ``generate`` takes 4 prompts at a time, 8 output tokens each. The engine's KV cache holds 32 blocks of 32 tokens
 (about three documents), the CPU tier 128: a document that comes back is mostly loaded from the CPU tier, and every new
-one stored there. Each round's documents are new, so every round stores and loads. Rounds interleave the engines in
-rotating order with a pause before each run (vLLM's processes spin on their queues for a second after work); each
-engine first serves a warm-up it is not timed on.
+one stored there. Each round's documents are new, so every round stores and loads. Within a round the engines take
+turns one ``generate`` at a time (rotating who goes first), so that the load of a shared machine falls on all of them
+alike; each engine first serves a warm-up it is not timed on, and every round starts after a pause (vLLM's processes
+spin on their queues for a second after work).
 
-Per run: wall time of the ``generate`` calls (requests/s, output tokens/s), vLLM's own time to first token per
-request (``RequestOutput.metrics``: stats on only), the CPU time (``/proc``: user + system) of each of vLLM's
-processes over the run, and the engine core's steps (vLLM's ``vllm:iteration_tokens_total`` count: stats on only).
-The export processes' CPU is reported apart (their whole life, per request served by ``on``). The tables give the
-median over rounds and ``on`` against ``off`` as the median of the per-round ratios (rounds are the pairs).
+Per engine and round: wall time of its ``generate`` calls (requests/s, output tokens/s), vLLM's own time to first
+token per request (``RequestOutput.metrics``: stats on only), the CPU time (``/proc``: user + system) of each of
+vLLM's processes over its turns, and the engine core's steps (vLLM's ``vllm:iteration_tokens_total`` count: stats on
+only). The export processes' CPU is reported apart. The table gives the median over rounds and ``on`` against
+``off`` as the median of the per-round ratios (rounds are the pairs).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ DOCUMENT_TOKENS = (192, 320)
 TAIL_TOKENS = 16
 PER_GENERATE = 4
 OUTPUT_TOKENS = 8
-PAUSE_S = 2.0  # longer than vLLM's spin on its message queues (1 s), so one run's engine is idle in the next
+PAUSE_S = 2.0  # longer than vLLM's spin on its message queues (1 s): every engine starts a round idle
 START_TIMEOUT_S = 600.0
 RUN_TIMEOUT_S = 300.0
 
@@ -70,7 +71,7 @@ RUN_TIMEOUT_S = 300.0
 @dataclass
 class Params:
     rounds: int = 6
-    requests: int = 160
+    requests: int = 64
     warmup: int = 32
     engines: tuple[str, ...] = ENGINES
 
@@ -117,32 +118,29 @@ def app(model: str, stats: bool, result_fd: int) -> None:
                     counts[wanted[sample.name]] += sample.value
         return counts
 
-    def run(seed: int, requests: int) -> dict[str, Any]:
-        prompts = workload(seed, requests)
-        before = vllm_counts()
-        ttft, tokens, cached = [], 0, 0
+    prompts: dict[tuple[int, int], list[str]] = {}
+
+    def run(seed: int, requests: int, start: int, count: int) -> dict[str, Any]:
+        """Prompts ``start`` ... ``start + count`` of the workload, ``PER_GENERATE`` per ``generate``."""
+        batch = prompts.setdefault((seed, requests), workload(seed, requests))[start : start + count]
+        ttft, tokens, cached, wall = [], 0, 0, 0.0
         first = time.clock_gettime(time.CLOCK_BOOTTIME)  # the clock of a process's start time in /proc
-        wall = 0.0
-        for i in range(0, len(prompts), PER_GENERATE):
-            start = time.monotonic()
-            outputs = llm.generate(prompts[i : i + PER_GENERATE], sampling, use_tqdm=False)
-            wall += time.monotonic() - start
+        for i in range(0, len(batch), PER_GENERATE):
+            began = time.monotonic()
+            outputs = llm.generate(batch[i : i + PER_GENERATE], sampling, use_tqdm=False)
+            wall += time.monotonic() - began
             for output in outputs:
                 tokens += len(output.outputs[0].token_ids)
                 cached += output.num_cached_tokens or 0
                 if output.metrics is not None:
                     ttft.append(output.metrics.first_token_latency)
-        after = vllm_counts()
-        counts = {k: after[k] - before[k] for k in after}
-        return {"first": first, "wall_s": wall, "requests": requests, "tokens": tokens, "cached": cached,
-                "ttft_s": ttft, **counts}  # fmt: skip
+        return {"first": first, "wall_s": wall, "requests": len(batch), "tokens": tokens, "cached": cached,
+                "ttft_s": ttft}  # fmt: skip
 
-    warmup = sys.stdin.readline().split()
-    result = run(int(warmup[0]), int(warmup[1]))
-    out.write(json.dumps({"pid": os.getpid(), **result}) + "\n")
-    for line in sys.stdin:
-        seed, requests = line.split()
-        out.write(json.dumps(run(int(seed), int(requests))) + "\n")
+    for line in sys.stdin:  # "counts", or "seed requests start count"
+        words = line.split()
+        answer = vllm_counts() if words == ["counts"] else run(*map(int, words))
+        out.write(json.dumps(answer) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- the driver
@@ -235,10 +233,14 @@ class Engine:
         self._results = os.fdopen(read)
         self.processes: dict[str, int] = {}
 
-    def send(self, seed: int, requests: int) -> None:
+    def send(self, *command: object) -> None:
         assert self.process.stdin is not None
-        self.process.stdin.write(f"{seed} {requests}\n")
+        self.process.stdin.write(" ".join(map(str, command)) + "\n")
         self.process.stdin.flush()
+
+    def ask(self, *command: object, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
+        self.send(*command)
+        return self.answer(timeout_s)
 
     def answer(self, timeout_s: float) -> dict[str, Any]:
         ready, _, _ = select.select([self._results], [], [], timeout_s)
@@ -340,9 +342,8 @@ def run(params: Params, command: str) -> Table:
                     exporters.started = engines["on"].exporter_ticks()
                     exporters.lead_s = [warmups["on"]["first"] - (_start_s(pid) or 0.0) for pid in exporters.started]
                 for r in range(params.rounds):
-                    order = params.engines[r % len(params.engines) :] + params.engines[: r % len(params.engines)]
-                    for name in order:
-                        runs[name].append(_timed(engines[name], 1000 + r, params.requests, tick))
+                    for name, run in _round(engines, 1000 + r, params.requests, tick).items():
+                        runs[name].append(run)
                 if "on" in engines:
                     exporters.ended = engines["on"].exporter_ticks()
             except Exception:
@@ -356,7 +357,7 @@ def run(params: Params, command: str) -> Table:
 def _start(engines: dict[str, Engine], params: Params) -> dict[str, dict[str, Any]]:
     """Start-up and warm-up of every engine, all at once; returns each warm-up's answer."""
     for engine in engines.values():
-        engine.send(1, params.warmup)
+        engine.send(1, params.warmup, 0, params.warmup)
     answers = {name: engine.answer(START_TIMEOUT_S) for name, engine in engines.items()}
     for engine in engines.values():
         engine.find_processes()
@@ -366,14 +367,28 @@ def _start(engines: dict[str, Engine], params: Params) -> dict[str, dict[str, An
     return answers
 
 
-def _timed(engine: Engine, seed: int, requests: int, tick: float) -> dict[str, Any]:
+def _round(engines: dict[str, Engine], seed: int, requests: int, tick: float) -> dict[str, dict[str, Any]]:
+    """One round: the workload of ``seed`` on every engine, one ``generate`` (4 prompts) at a time, the engines taking
+    turns in rotating order, so that what the machine's load does to one it does to the others; each engine's CPU
+    counted over its own turns."""
     time.sleep(PAUSE_S)
-    before = engine.cpu()
-    engine.send(seed, requests)
-    answer = engine.answer(RUN_TIMEOUT_S)
-    after = engine.cpu()
-    answer["cpu_s"] = {name: (after[name] - before[name]) * tick for name in before}
-    return answer
+    names = list(engines)
+    runs = {name: {"wall_s": 0.0, "requests": 0, "tokens": 0, "cached": 0, "ttft_s": [], "cpu_s": {}} for name in names}
+    counts = {name: engines[name].ask("counts") for name in names}
+    for turn, start in enumerate(range(0, requests, PER_GENERATE)):
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            engine, run = engines[name], runs[name]
+            before = engine.cpu()
+            answer = engine.ask(seed, requests, start, PER_GENERATE)
+            after = engine.cpu()
+            for key in ("wall_s", "requests", "tokens", "cached", "ttft_s"):
+                run[key] += answer[key]
+            for process, ticks in after.items():
+                run["cpu_s"][process] = run["cpu_s"].get(process, 0.0) + (ticks - before[process]) * tick
+    for name in names:
+        after = engines[name].ask("counts")
+        runs[name].update({key: after[key] - counts[name][key] for key in after})
+    return runs
 
 
 def _tabulate(
@@ -432,8 +447,9 @@ def _tabulate(
         r["tokens"] == r["requests"] * OUTPUT_TOKENS for rs in runs.values() for r in rs
     )
     table.notes += [
-        f"{params.rounds} rounds x {params.requests} requests per engine, interleaved in rotating order, "
-        f"{PAUSE_S:g} s pause before each run; warm-up {params.warmup} requests per engine, not timed. Engines: "
+        f"{params.rounds} rounds x {params.requests} requests per engine, the engines taking turns one generate at "
+        f"a time (rotating who goes first), {PAUSE_S:g} s pause before each round; warm-up {params.warmup} requests "
+        "per engine, not timed. Engines: "
         "'on' = our plugin (VLLM_PLUGINS=vllm_kv_offload, OTLP gRPC to a receiver in the driver), 'off' = no plugin "
         "(VLLM_PLUGINS empty), both with vLLM's stats on; 'bare' = no plugin, vLLM's stats off (disable_log_stats).",
         f"Workload: {DOCUMENTS} documents of {DOCUMENT_TOKENS[0]}-{DOCUMENT_TOKENS[1]} tokens per round (new each "
@@ -441,11 +457,11 @@ def _tabulate(
         f"own per prompt, {PER_GENERATE} prompts per generate, {OUTPUT_TOKENS} output tokens (ignore_eos); KV cache "
         f"{GPU_BLOCKS} blocks of {BLOCK_TOKENS} tokens, CPU tier {CPU_CHUNKS} chunks of one block.",
         "Rows 'on', 'off', 'bare': medians over rounds. 'on vs off': median over rounds of on / off - 1 (for TTFT "
-        "and CPU, + is worse; for throughput, - is worse). CPU = user + system of the process over the run "
-        "(/proc, 10 ms ticks); vLLM's processes spin on their shared-memory queues while they wait for each other, "
-        "so their CPU follows the wall time. Engine-core CPU/step: its CPU over the run / the steps vLLM counted "
-        "(vllm:iteration_tokens_total; n/a without vLLM's stats). TTFT: vLLM's first_token_latency per request "
-        "(n/a without vLLM's stats).",
+        "and CPU, + is worse; for throughput, - is worse). CPU = user + system of the process over the engine's own "
+        "turns (/proc, 10 ms ticks); vLLM's processes spin on their shared-memory queues while they wait for each "
+        "other (and for a second after), so their CPU follows the wall time. Engine-core CPU/step: its CPU over its "
+        "turns / the steps vLLM counted (vllm:iteration_tokens_total; n/a without vLLM's stats). TTFT: vLLM's "
+        "first_token_latency per request (n/a without vLLM's stats).",
     ]
 
 
