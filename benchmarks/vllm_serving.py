@@ -53,7 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("off", "on", "bare")
 #: vLLM's processes of one offline engine, as this benchmark names them (by their process titles).
 PROCESSES = ("main", "engine core", "worker")
-#: Marks every process of one engine (and the export processes it launches, which inherit it) in its environment.
+#: Marks every process of one engine (and the export processes it launches, which inherit it) in its environment:
+#: ``<engine>-<the driver's pid>``, so that another run of the benchmark on the machine is not counted.
 MARK = "HICACHE_BENCH_ENGINE"
 GPU_BLOCKS = 32
 CPU_CHUNKS = 128
@@ -212,7 +213,7 @@ class Engine:
     def __init__(self, name: str, model: Path, endpoint: str, log: IO[str]) -> None:
         self.name = name
         plugin = name == "on"
-        extra = {MARK: name, "VLLM_PLUGINS": "vllm_kv_offload" if plugin else ""}
+        extra = {MARK: f"{name}-{os.getpid()}", "VLLM_PLUGINS": "vllm_kv_offload" if plugin else ""}
         if plugin:
             extra |= {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
             extra |= {"OTEL_SERVICE_NAME": "vllm-bench"}
@@ -267,7 +268,7 @@ class Engine:
     def exporters(self) -> list[int]:
         """The export processes this engine's processes launched (marked, not vLLM's, not their launchers)."""
         ours = {self.process.pid, *_descendants(self.process.pid)}
-        return [pid for pid in _marked(self.name) if pid not in ours and "exporter" in _title(pid)]
+        return [pid for pid in _marked(f"{self.name}-{os.getpid()}") if pid not in ours and "exporter" in _title(pid)]
 
     def exporter_ticks(self) -> dict[int, int]:
         """CPU ticks of each export process so far."""
@@ -373,7 +374,9 @@ def _round(engines: dict[str, Engine], seed: int, requests: int, tick: float) ->
     counted over its own turns."""
     time.sleep(PAUSE_S)
     names = list(engines)
-    runs = {name: {"wall_s": 0.0, "requests": 0, "tokens": 0, "cached": 0, "ttft_s": [], "cpu_s": {}} for name in names}
+    runs: dict[str, dict[str, Any]] = {
+        name: {"wall_s": 0.0, "requests": 0, "tokens": 0, "cached": 0, "ttft_s": [], "cpu_s": {}} for name in names
+    }
     counts = {name: engines[name].ask("counts") for name in names}
     for turn, start in enumerate(range(0, requests, PER_GENERATE)):
         for name in names[turn % len(names) :] + names[: turn % len(names)]:
