@@ -23,12 +23,13 @@ from functools import partial
 from typing import Any
 
 from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, WeakPoolSource
-from otel_hicache.integrations.vllm.hooks import await_export_process
 from otel_hicache.records import EvictedEntry, EvictionRecord, PoolUsage
 from otel_hicache.semconv import DEFAULT_POOL, Tier, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import now_ns
 
+#: How long a process waits at the engine's start for its export process to be up (its imports and exporters).
+EXPORT_READY_S = 10.0
 _WRITTEN, _READ = 1, 2  # a chunk's state: written by a store and not read since, or read by a load
 
 
@@ -131,6 +132,18 @@ class CpuTierHooks(EngineHooks):
         if tier is not None:
             tier.used(result.block_ids, _READ, time.monotonic_ns())
         return result
+
+
+def await_export_process(sink: ProcessSink) -> None:
+    """Called where the engine builds its offloading (the worker's KV caches, the scheduler's CPU tier), once the
+    process's telemetry is built: wait, at most :data:`EXPORT_READY_S`, until its export process has attached, so that
+    its start-up is over before the engine serves its first request instead of competing with it for the CPU."""
+    setup, telemetry = sink.setup, sink.telemetry
+    if setup is None or telemetry is None or setup.mode != "otlp":
+        return  # no export process: in-process exporters, or a telemetry of the caller's
+    deadline = time.monotonic() + EXPORT_READY_S
+    while telemetry.export_pid is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _ids(chunk_ids: Any) -> list[int]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import importlib
 import math
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -39,6 +38,7 @@ from typing import Any, NamedTuple
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, trim
+from otel_hicache.integrations.vllm.cpu_tier import await_export_process
 from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE, LINKS, group_pool
 from otel_hicache.records import TransferFailure, TransferRecord
 from otel_hicache.semconv import (
@@ -50,9 +50,6 @@ from otel_hicache.semconv import (
 )
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import now_ns
-
-#: How long a process waits at the engine's start for its export process to be up (its imports and exporters).
-EXPORT_READY_S = 10.0
 
 #: vLLM's ``OffloadingWorker`` that times each transfer with device events (``torch.Event`` on the transfer stream).
 _DEVICE_TIMED_WORKERS = frozenset({"vllm.v1.kv_offload.cpu.gpu_worker.CPUOffloadingWorker"})
@@ -327,18 +324,6 @@ class OffloadHooks(EngineHooks):
             for _ in range(int(count)):
                 sink.record_failure(failure)
         return result
-
-
-def await_export_process(sink: ProcessSink) -> None:
-    """Called where the engine builds its offloading (the worker's KV caches, the scheduler's CPU tier), once the
-    process's telemetry is built: wait, at most :data:`EXPORT_READY_S`, until its export process has attached, so that
-    its start-up is over before the engine serves its first request instead of competing with it for the CPU."""
-    setup, telemetry = sink.setup, sink.telemetry
-    if setup is None or telemetry is None or setup.mode != "otlp":
-        return  # no export process: in-process exporters, or a telemetry of the caller's
-    deadline = time.monotonic() + EXPORT_READY_S
-    while telemetry.export_pid is None and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def _record(entry: _Pending, measured: tuple[Any, Any] | None, done_ns: int, timing: TimingSource) -> TransferRecord:
