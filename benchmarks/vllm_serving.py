@@ -96,8 +96,9 @@ def workload(seed: int, requests: int) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- in the engine's process
 def app(model: str, stats: bool, result_fd: int) -> None:
-    """One engine: build vLLM's ``LLM``, serve the warm-up, then a run per command line on stdin (``seed requests``),
-    one JSON line per run on ``result_fd``."""
+    """One engine: build vLLM's ``LLM``, then answer each command line on stdin with one JSON line on ``result_fd``:
+    ``seed requests start count`` serves prompts ``start`` ... ``start + count`` of that workload (the warm-up is the
+    first), ``counts`` reads vLLM's own counters (steps, bytes stored and loaded)."""
     import prometheus_client
     from vllm import LLM, SamplingParams
 
