@@ -1,4 +1,4 @@
-"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,importtax,sigkill,capacity,all} ... [--smoke]``
+"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,importtax,sigkill,capacity,vllm,all} ... [--smoke]``
 (``--device cpu|cuda``; ``--rates R,R`` for ``loop``)
 
 Prints one markdown table per benchmark (plus the machine line); ``--markdown FILE`` / ``--json FILE`` also write
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from benchmarks._common import Table, dump_json, machine_line
 
-NAMES = ("hotpath", "loop", "transfer", "soak", "sglang", "importtax", "sigkill", "capacity")
+NAMES = ("hotpath", "loop", "transfer", "soak", "sglang", "importtax", "sigkill", "capacity", "vllm")
 
 
 def _command(args: argparse.Namespace, name: str) -> str:
@@ -70,6 +70,10 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[], Table | None]:
         from benchmarks import importtax
 
         return lambda: importtax.run(args.smoke, command)
+    if name == "vllm":
+        from benchmarks import vllm_serving
+
+        return lambda: vllm_serving.run_here(args.smoke, command)
     from benchmarks import sglang_path
 
     return lambda: sglang_path.run(args.smoke, command)

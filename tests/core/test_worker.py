@@ -157,3 +157,21 @@ def test_a_weak_callback_does_nothing_once_its_object_is_gone() -> None:
     del counter
     gc.collect()
     add(3)  # nothing to call, nothing raised
+
+
+def test_a_pool_source_alone_leaves_an_exporting_hosts_thread_on_its_slow_tick() -> None:
+    """Sources are read once a second: a host whose export process does the rest (vLLM's engine core, with its CPU
+    tier as a source) is not woken 20 times a second for them; deferred records still get the fast tick."""
+    from otel_hicache.sdk import configure
+    from otel_hicache.testing.otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver() as rx:
+        setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
+        try:
+            host = setup.telemetry._host
+            setup.telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.HOST, "kv", used=1, limit=2)])
+            assert host.started and host.pool_sources and host.tick_s() == TEND_INTERVAL_S
+            setup.telemetry.record_transfer_deferred(lambda _: backup(1), None)
+            assert host.tick_s() < TEND_INTERVAL_S
+        finally:
+            setup.shutdown()

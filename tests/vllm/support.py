@@ -2,10 +2,10 @@
 
 vLLM's own ``OffloadingConnector`` (both roles), ``OffloadingConnectorWorker``, ``CPUOffloadingSpec`` and
 ``CPUOffloadingManager`` run unchanged. One piece is ours: vLLM's ``CPUOffloadingWorker`` copies with CUDA streams
-and events (``get_worker`` refuses a CPU platform), so :class:`HostCopySpec` is vLLM's ``CPUOffloadingSpec`` with a
-worker that implements vLLM's ``OffloadingWorker`` interface with real host copies between the registered KV tensor
-and a host buffer, timed with the host clock, one ``TransferResult`` per job as vLLM's worker reports them. vLLM loads
-it the way it loads any out-of-tree spec (``spec_name`` / ``spec_module_path`` in ``kv_connector_extra_config``).
+and events (``get_worker`` refuses a CPU platform), so the spec is :class:`HostCopySpec`
+(:mod:`otel_hicache.testing.vllm_host_copy`, which the real engines of tests/vllm and the vLLM benchmark load too):
+vLLM's ``CPUOffloadingSpec`` with a worker doing real host copies, loaded the way vLLM loads any out-of-tree spec
+(``spec_name`` / ``spec_module_path`` in ``kv_connector_extra_config``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
-import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     TransferJob,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.utils.math_utils import cdiv, round_up
+from vllm.utils.math_utils import round_up
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
@@ -37,18 +34,11 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     SlidingWindowSpec,
 )
-from vllm.v1.kv_offload.base import (
-    BlockIDsLoadStoreSpec,
-    CanonicalKVCaches,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-    OffloadingWorker,
-    ReqContext,
-    TransferResult,
-    make_offload_key,
-)
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext, make_offload_key
 from vllm.v1.outputs import KVConnectorOutput
+
+from otel_hicache.testing.vllm import SPEC_MODULE
+from otel_hicache.testing.vllm_host_copy import HostCopySpec, HostCopyWorker  # noqa: F401  (test_faults alters it)
 
 BLOCK_SIZE = 16  # tokens per GPU block
 NUM_GPU_BLOCKS = 64
@@ -72,75 +62,6 @@ TINY_LLAMA = {
     "max_position_embeddings": 256,
     "torch_dtype": "float16",
 }
-
-
-class HostCopyWorker(OffloadingWorker):
-    """vLLM's ``OffloadingWorker`` interface over real host copies: one host buffer per registered KV tensor, each KV
-    cache group's blocks copied between its own tensors (``group_data_refs``) and their CPU chunks."""
-
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int) -> None:
-        self._device = [t.tensor for t in kv_caches.tensors]
-        self._host = [torch.zeros((num_chunks * blocks_per_chunk, t.shape[1]), dtype=torch.int8) for t in self._device]
-        self._groups = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
-        self._blocks_per_chunk = blocks_per_chunk
-        self._finished: deque[TransferResult] = deque()
-        #: What ``get_finished`` passes its results through before vLLM reads them (tests/vllm/test_faults.py).
-        self.alter: Callable[[list[TransferResult]], list[TransferResult]] | None = None
-
-    def _copy(self, job_id: int, gpu_spec: GPULoadStoreSpec, chunk_ids: Any, to_host: bool) -> bool:
-        """Copy each group's GPU blocks to or from the CPU chunks that follow on from the previous group's."""
-        start = time.perf_counter()
-        moved, block, chunks, bpc = 0, 0, list(chunk_ids), self._blocks_per_chunk
-        for tensors, size, first in zip(self._groups, gpu_spec.group_sizes, gpu_spec.block_indices, strict=True):
-            skip = first % bpc  # a first GPU block in the middle of its CPU chunk
-            group_chunks, chunks = chunks[: cdiv(size + skip, bpc)], chunks[cdiv(size + skip, bpc) :]
-            rows = [c * bpc + i for c in group_chunks for i in range(bpc)][skip : skip + size]
-            gpu_index = torch.as_tensor(gpu_spec.block_ids[block : block + size], dtype=torch.long)
-            host_index = torch.as_tensor(rows, dtype=torch.long)
-            block += size
-            for t in tensors:
-                src, src_index, dst, dst_index = (
-                    (self._device[t], gpu_index, self._host[t], host_index)
-                    if to_host
-                    else (self._host[t], host_index, self._device[t], gpu_index)
-                )
-                copied = src.index_select(0, src_index)
-                dst.index_copy_(0, dst_index, copied)
-                moved += copied.numel() * copied.element_size()
-        self._finished.append(TransferResult(job_id, True, moved, time.perf_counter() - start))
-        return True
-
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        assert isinstance(dst_spec, BlockIDsLoadStoreSpec)  # vLLM's CPU spec: chunk ids
-        return self._copy(job_id, src_spec, dst_spec.block_ids, to_host=True)
-
-    def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
-    ) -> bool:
-        """``expedited`` (vLLM >= 0.33): a sync load, waited for within the step; copies are synchronous anyway."""
-        assert isinstance(src_spec, BlockIDsLoadStoreSpec)
-        return self._copy(job_id, dst_spec, src_spec.block_ids, to_host=False)
-
-    def get_finished(self) -> list[TransferResult]:
-        done = list(self._finished)
-        self._finished.clear()
-        return done if self.alter is None else self.alter(done)
-
-    def wait(self, job_ids: set[int]) -> None:
-        """Copies are synchronous: nothing to wait for."""
-
-
-class HostCopySpec(CPUOffloadingSpec):
-    """vLLM's CPU offloading spec (manager, chunk sizing, metrics) with :class:`HostCopyWorker` as its worker."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._host_worker: HostCopyWorker | None = None  # in place of vLLM's ``_worker`` (a CPUOffloadingWorker)
-
-    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._host_worker is None:
-            self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
-        return self._host_worker
 
 
 @functools.cache
@@ -172,7 +93,7 @@ def vllm_config(
     page = ATTENTION.page_size_bytes
     extra = {
         "spec_name": "HostCopySpec",
-        "spec_module_path": __name__,
+        "spec_module_path": SPEC_MODULE,
         # vLLM rounds each chunk up to its alignment: size the tier in aligned chunks
         "cpu_bytes_to_use": cpu_chunks
         * round_up(page * len(LAYERS) * blocks_per_chunk, HostCopySpec.BLOCK_SIZE_ALIGNMENT),

@@ -26,15 +26,12 @@ import pytest
 
 from otel_hicache.semconv import PrefillMode
 from otel_hicache.testing.otlp_receiver import OtlpReceiver
+from otel_hicache.testing.vllm import BLOCK_BYTES, BLOCK_TOKENS, PROMPT_TOKENS, environment
 from tests.vllm.engine import (
-    BLOCK_BYTES,
-    BLOCK_TOKENS,
     DIRECTIONS,
-    PROMPT_TOKENS,
     Exported,
     assert_prefill_split_equals_vllms,
     assert_transfers_equal_vllms,
-    environment,
     holds_what_vllm_counted,
     needs_cpu_build,
     otlp_environment,

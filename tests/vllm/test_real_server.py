@@ -18,19 +18,16 @@ import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
+from otel_hicache.testing.vllm import BLOCK_TOKENS, PROMPT_TOKENS, environment, prompt
 from tests.vllm.engine import (
-    BLOCK_TOKENS,
     DIRECTIONS,
-    PROMPT_TOKENS,
     Exported,
     Server,
     assert_prefill_split_equals_vllms,
     assert_transfers_equal_vllms,
-    environment,
     holds_what_vllm_counted,
     needs_cpu_build,
     otlp_environment,
-    prompt,
     serve,
     vllm_total,
 )

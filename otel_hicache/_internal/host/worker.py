@@ -9,9 +9,10 @@ engine check; over OTLP by the constructor). Each round (:meth:`HostWorker.work`
   be had, relays the export process's log lines, replaces an exporter that died;
 * in-process, turns the ring's records into spans and points in slices, at least every flush interval.
 
-It ticks every :data:`DEFERRED_TICK_S` while it has deferred records or sources to serve (else every
-:data:`TEND_INTERVAL_S`) and pauses :data:`PAUSE_S` after a busy round, so the scheduler thread gets the GIL back.
-Reads of the counters wait (bounded) for what is queued to be built (:meth:`HostWorker.settle`). ``fork``: the child
+It ticks every :data:`DEFERRED_TICK_S` while it has deferred records to build, and always in-process, where it
+drains the ring (else every :data:`TEND_INTERVAL_S`: pool sources alone need no faster tick) and pauses
+:data:`PAUSE_S` after a busy round, so the scheduler thread gets the GIL back. Reads of the counters wait (bounded)
+for what is queued to be built (:meth:`HostWorker.settle`). ``fork``: the child
 starts from zero as its own process (its own table, ring, thread and exporter); the parent stays exact; no lock is
 inherited held. What cannot be had (a thread, shared memory) never raises into the caller: it is logged once and
 tried again.
@@ -134,7 +135,7 @@ class HostWorker:
 
     def add_pool_source(self, source: PoolSource) -> None:
         self.pool_sources.append(source)
-        self.want_fast()
+        self.start()  # read every POOL_INTERVAL_S: no faster tick (vLLM's engine core would wake 20 times a second)
 
     def add_engine_check(self, check: EngineCheck) -> None:
         self.engine_checks.append(check)
@@ -172,7 +173,7 @@ class HostWorker:
             self._starting.release()
 
     def want_fast(self) -> None:
-        """Deferred records or pool sources: the host thread ticks every DEFERRED_TICK_S from now on."""
+        """Deferred records: the host thread ticks every DEFERRED_TICK_S from now on."""
         self._fast = True
         if self.start():
             self.fast_ready = True

@@ -1,8 +1,8 @@
 """OpenTelemetry for vLLM's KV offloading (``vllm >= 0.32, < 0.34``, CUDA or CPU build), with no change to vLLM's code.
 
 Zero-code, two ways. vLLM loads the ``vllm.general_plugins`` entry point ``vllm_kv_offload`` in every one of its
-processes (:mod:`.plugin`); each process that offloads configures telemetry from the ``OTEL_*`` environment at its
-first transfer (``OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317`` and vLLM's usual
+processes (:mod:`.plugin`); each process that offloads configures telemetry from the ``OTEL_*`` environment when the
+engine builds its offloading (``OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317`` and vLLM's usual
 ``--kv-transfer-config '{"kv_connector": "OffloadingConnector", ...}'`` are all it takes). Or, as every
 OpenTelemetry instrumentor, through the ``opentelemetry_instrumentor`` entry point (``opentelemetry-instrument vllm
 serve ...``) or in code::
@@ -15,6 +15,9 @@ What is reported, all through :class:`~otel_hicache.telemetry.HiCacheTelemetry`:
 ============================================  ========================================================================
 vLLM (wrapped)                                becomes
 ============================================  ========================================================================
+``OffloadingConnectorWorker.register_kv_      nothing reported: the worker's telemetry is built, and its export process
+caches`` (the engine's start)                 up (at most 10 s), before the engine serves (``CPUOffloadingSpec.
+                                              get_manager`` does the same in the scheduler)
 ``OffloadingConnectorWorker.prepare_store_    the job's direction and GPU blocks; submission time (stores: when the
 kv`` / ``handle_preemptions`` /               next step submits them)
 ``start_kv_transfers``

@@ -35,6 +35,8 @@ from otel_hicache.semconv import DEFAULT_POOL, METRIC_POOL_LIMIT, Tier, Transfer
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import now_ns
 
+#: How long a process waits at the engine's start for its export process to be up (its imports and exporters).
+EXPORT_READY_S = 10.0
 _WRITTEN, _READ = 1, 2  # a chunk's state: written by a store and not read since, or read by a load
 
 
@@ -102,6 +104,7 @@ class CpuTierHooks(EngineHooks):
             sink.add_pool_usage_source(WeakPoolSource(manager, usage, sink))
             if stated is not None:
                 sink.add_engine_check(_CapacityCheck(manager, tokens_per_chunk, stated, sink))
+            await_export_process(self.sink)  # the engine core builds its CPU tier while it starts
         return manager
 
     def prepare_store(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -141,6 +144,18 @@ class CpuTierHooks(EngineHooks):
         if tier is not None:
             tier.used(result.block_ids, _READ, time.monotonic_ns())
         return result
+
+
+def await_export_process(sink: ProcessSink) -> None:
+    """Called where the engine builds its offloading (the worker's KV caches, the scheduler's CPU tier), once the
+    process's telemetry is built: wait, at most :data:`EXPORT_READY_S`, until its export process has attached, so that
+    its start-up is over before the engine serves its first request instead of competing with it for the CPU."""
+    setup, telemetry = sink.setup, sink.telemetry
+    if setup is None or telemetry is None or setup.mode != "otlp":
+        return  # no export process: in-process exporters, or a telemetry of the caller's
+    deadline = time.monotonic() + EXPORT_READY_S
+    while telemetry.export_pid is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _ids(chunk_ids: Any) -> list[int]:

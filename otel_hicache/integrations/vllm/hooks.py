@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, trim
+from otel_hicache.integrations.vllm.cpu_tier import await_export_process
 from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE, LINKS, SYNC_WAITS, group_pool
 from otel_hicache.records import TransferFailure, TransferRecord
 from otel_hicache.semconv import (
@@ -202,6 +203,15 @@ class OffloadHooks(EngineHooks):
             if state.sink is not None:
                 state.sink.add_engine_check(_TransferCheck(state, state.sink))
         return state
+
+    # ------------------------------------------------------------------ start: OffloadingConnectorWorker
+    def register_kv_caches(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """The engine registers the worker's KV caches while it starts: the process's telemetry and its export process
+        are built and up now, before the engine serves, not on the serving path at the first transfer."""
+        result = wrapped(*args, **kwargs)
+        self._connector(instance)
+        await_export_process(self.sink)
+        return result
 
     # ------------------------------------------------------------------ submission: OffloadingConnectorWorker
     def prepare_store_kv(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -34,7 +34,8 @@ _OUTPUT_PROCESSOR = "vllm.v1.engine.output_processor"
 #: Every patch, in one table: (target with the leading parameters its wrapper reads, the group of wrappers, the name
 #: of its method that wraps the target).
 _TARGETS: Final[tuple[tuple[Target, str, str], ...]] = (
-    # the workers: transfers and the self-check
+    # the workers: the telemetry at the engine's start, transfers and the self-check
+    (Target(_WORKER, _CONNECTOR_WORKER, "register_kv_caches", ("kv_caches",)), "offload", "register_kv_caches"),
     (Target(_WORKER, _CONNECTOR_WORKER, "prepare_store_kv", ("metadata",)), "offload", "prepare_store_kv"),
     (
         Target(_WORKER, _CONNECTOR_WORKER, "handle_preemptions", ("kv_connector_metadata",)),

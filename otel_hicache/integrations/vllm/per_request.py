@@ -101,12 +101,14 @@ class RequestHooks(EngineHooks):
         super().__init__(sink, ranks)
         self._span = threading.local()  # in the frontend: the payload of the request span being created
         self._ids: _RequestIds | None = None
+        self._traced = False  # in the scheduler: a request with a request span was admitted (vLLM's tracing is on)
 
     # ------------------------------------------------------------------ scheduler (engine core)
     def add_request(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``Scheduler.add_request(request)``: with vLLM's tracing on, choose the request span's identity."""
         request = args[0] if args else kwargs["request"]
         if instance.observability_config.otlp_traces_endpoint is not None:
+            self._traced = True
             setattr(request, _STATE, _Request(_identity(request.trace_headers)))
             _publish(request)
         return wrapped(*args, **kwargs)
@@ -207,6 +209,8 @@ class RequestHooks(EngineHooks):
         """``OffloadingConnectorScheduler.build_connector_meta``: give each job of a traced request its request span's
         context, for the worker's transfer span to link to."""
         meta = wrapped(*args, **kwargs)
+        if not self._traced:  # vLLM's tracing is off: no request span to link to (every step: return at once)
+            return meta
         links = {}
         requests = instance._req_status
         for job_id, job in chain(meta.load_jobs.items(), meta.store_jobs.items()):

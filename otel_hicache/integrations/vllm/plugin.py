@@ -1,8 +1,10 @@
 """The ``vllm.general_plugins`` entry point: vLLM loads it in each of its processes, before any model code.
 
 It arms the instrumentor with nothing built: a process configures telemetry from the ``OTEL_*`` environment only
-when it first offloads or builds a CPU tier (:class:`~.._base.ProcessSink`), so API-server processes and engines
-without offloading cost nothing. Naming ``vllm_kv_offload`` in ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` (or ``*``)
+when the engine builds its offloading - a worker's KV caches registered, the scheduler's CPU tier built, both while
+the engine starts - and waits for its export process to be up before the engine serves (:class:`~.._base.ProcessSink`),
+so API-server processes and engines without offloading cost nothing, and nothing of ours starts up while requests
+are served. Naming ``vllm_kv_offload`` in ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` (or ``*``)
 turns it off; a process already instrumented (``opentelemetry-instrument``, or in code) is left as it is.
 """
 

@@ -1,0 +1,98 @@
+"""vLLM's ``CPUOffloadingSpec`` with a worker that copies on the host, so vLLM's real KV offloading connector runs on a
+CPU (needs vLLM): for tests/vllm, the vLLM benchmark and trying the adapter without a GPU.
+
+vLLM's ``CPUOffloadingWorker`` copies with CUDA streams and events (``get_worker`` refuses a CPU platform), so
+:class:`HostCopySpec` is vLLM's ``CPUOffloadingSpec`` with a worker that implements vLLM's ``OffloadingWorker``
+interface with real host copies between the registered KV tensors and a host buffer, timed with the host clock, one
+``TransferResult`` per job as vLLM's worker reports them. vLLM loads it the way it loads any out-of-tree spec
+(``spec_name`` / ``spec_module_path`` in ``kv_connector_extra_config``: see
+:func:`otel_hicache.testing.vllm.kv_transfer_config`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+
+class HostCopyWorker(OffloadingWorker):
+    """vLLM's ``OffloadingWorker`` interface over real host copies: one host buffer per registered KV tensor, each KV
+    cache group's blocks copied between its own tensors (``group_data_refs``) and their CPU chunks."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int) -> None:
+        self._device = [t.tensor for t in kv_caches.tensors]
+        self._host = [torch.zeros((num_chunks * blocks_per_chunk, t.shape[1]), dtype=torch.int8) for t in self._device]
+        self._groups = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
+        self._blocks_per_chunk = blocks_per_chunk
+        self._finished: deque[TransferResult] = deque()
+        #: What ``get_finished`` passes its results through before vLLM reads them (tests/vllm/test_faults.py).
+        self.alter: Callable[[list[TransferResult]], list[TransferResult]] | None = None
+
+    def _copy(self, job_id: int, gpu_spec: GPULoadStoreSpec, chunk_ids: Any, to_host: bool) -> bool:
+        """Copy each group's GPU blocks to or from the CPU chunks that follow on from the previous group's."""
+        start = time.perf_counter()
+        moved, block, chunks, bpc = 0, 0, list(chunk_ids), self._blocks_per_chunk
+        for tensors, size, first in zip(self._groups, gpu_spec.group_sizes, gpu_spec.block_indices, strict=True):
+            skip = first % bpc  # a first GPU block in the middle of its CPU chunk
+            group_chunks, chunks = chunks[: cdiv(size + skip, bpc)], chunks[cdiv(size + skip, bpc) :]
+            rows = [c * bpc + i for c in group_chunks for i in range(bpc)][skip : skip + size]
+            gpu_index = torch.as_tensor(gpu_spec.block_ids[block : block + size], dtype=torch.long)
+            host_index = torch.as_tensor(rows, dtype=torch.long)
+            block += size
+            for t in tensors:
+                src, src_index, dst, dst_index = (
+                    (self._device[t], gpu_index, self._host[t], host_index)
+                    if to_host
+                    else (self._host[t], host_index, self._device[t], gpu_index)
+                )
+                copied = src.index_select(0, src_index)
+                dst.index_copy_(0, dst_index, copied)
+                moved += copied.numel() * copied.element_size()
+        self._finished.append(TransferResult(job_id, True, moved, time.perf_counter() - start))
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, BlockIDsLoadStoreSpec)  # vLLM's CPU spec: chunk ids
+        return self._copy(job_id, src_spec, dst_spec.block_ids, to_host=True)
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        """``expedited`` (vLLM >= 0.33): a sync load, waited for within the step; copies are synchronous anyway."""
+        assert isinstance(src_spec, BlockIDsLoadStoreSpec)
+        return self._copy(job_id, dst_spec, src_spec.block_ids, to_host=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        done = list(self._finished)
+        self._finished.clear()
+        return done if self.alter is None else self.alter(done)
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Copies are synchronous: nothing to wait for."""
+
+
+class HostCopySpec(CPUOffloadingSpec):
+    """vLLM's CPU offloading spec (manager, chunk sizing, metrics) with :class:`HostCopyWorker` as its worker."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._host_worker: HostCopyWorker | None = None  # in place of vLLM's ``_worker`` (a CPUOffloadingWorker)
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._host_worker is None:
+            self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+        return self._host_worker

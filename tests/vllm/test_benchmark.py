@@ -1,0 +1,45 @@
+"""``python -m benchmarks vllm --smoke``: real vLLM engines with the plugin on and off serve the benchmark's workload
+through the CPU tier, and the table holds sane numbers. No timing is judged (benchmarks hold numbers, not tests)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_vllm_benchmark_runs_both_engines_through_the_cpu_tier(tmp_path: Path) -> None:
+    out = tmp_path / "vllm.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "vllm", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (table,) = json.loads(out.read_text())["tables"]
+    # stores and loads through the CPU tier in every run, every output token, the export processes up before the
+    # engine's first request
+    assert len(table["checks"]) == 3 and all(table["checks"].values()), table["checks"]
+    assert [row[0] for row in table["rows"][:2]] == ["off", "on"]
+    assert table["command"] == "python -m benchmarks vllm --smoke"
+    for row in table["rows"][:2]:
+        numbers = row[1:]
+        assert len(numbers) == len(table["columns"]) - 1
+        assert all(math.isfinite(v) and v >= 0 for v in numbers), row
+        assert numbers[0] > 0 and numbers[1] > 0  # requests/s, output tokens/s
+    runs = table["data"]["runs"]
+    assert {name: len(r) for name, r in runs.items()} == {"off": 1, "on": 1}
+    assert all(run["cached"] > 0 for r in runs.values() for run in r)  # prefixes were reused
+    exporters = table["data"]["exporters"]
+    assert len(exporters["lead_s"]) == 2  # the engine core's and the worker's
+    assert exporters["start_ms"] > 0 and exporters["timed_ms"] >= 0
