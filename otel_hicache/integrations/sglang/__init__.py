@@ -97,8 +97,8 @@ instrument, with one warning. (L3 and prefill series are not self-checked: see t
 prefill collector belongs to the scheduler, which no wrapper sees.)
 
 Cost on the scheduler thread: neither the submissions (after a controller's first) nor the completion checks run
-through a wrapper; each submitted ack costs one clock read and one dictionary entry as SGLang appends it, each
-consumed ack one entry put on its queue's :class:`~otel_hicache.telemetry.DeferredQueue`
+through a wrapper; each submitted ack costs a clock read, a suppression check and a dictionary entry as SGLang
+appends it, each consumed ack one entry put on its queue's :class:`~otel_hicache.telemetry.DeferredQueue`
 (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`), and the record is built and counted on the
 telemetry's host thread; a prefill admission's split is counted there too (with request tracing on, at once, onto the
 request's span). ``.venv-sglang/bin/python -m benchmarks sglang`` measures the whole per transfer (submission,
