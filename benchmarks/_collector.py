@@ -100,6 +100,7 @@ class CollectorProcess:
         endpoints = json.loads(first)
         self.grpc_endpoint: str = endpoints["grpc"]
         self.http_endpoint: str = endpoints["http"]
+        self.pid = self._proc.pid
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -11,7 +11,8 @@ nodes the ack served (pop from the ongoing map, lock count down), then the metri
 * ``naive_otel``: a synchronous OTel SDK path, one span plus counters and a histogram per ack;
 * ``otel_hicache``: build a :class:`~otel_hicache.records.TransferRecord` and call
   :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer` (spans on);
-* ``otel_hicache_deferred``: as the SGLang adapter reports: put the ack on a queue of the reporter's own
+* ``otel_hicache_deferred``: as the SGLang adapter reports, on the adapter's own ack queues: the submission is noted as
+  the ack is appended, the ack put on a queue of the reporter's own as it is popped
   (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`); the telemetry's host thread reports it with
   :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_at`.
 """
@@ -19,7 +20,7 @@ nodes the ack served (pop from the ongoing map, lock count down), then the metri
 from __future__ import annotations
 
 from collections.abc import Mapping
-from time import monotonic_ns
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
@@ -30,7 +31,7 @@ from otel_hicache import semconv as sc
 from otel_hicache.records import TransferRecord
 from otel_hicache.semconv import TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
-from otel_hicache.timing import ANCHOR, elapsed_seconds, make_timing_event_pair, now_ns
+from otel_hicache.timing import elapsed_seconds, make_timing_event_pair, now_ns
 
 BACKUP = TransferOperation.BACKUP
 LOAD_BACK = TransferOperation.LOAD_BACK
@@ -112,6 +113,10 @@ class Reporter:
     def flush(self) -> None:
         pass
 
+    def adopt(self, path: SyntheticAckPath) -> None:
+        """Called once the path is built: a reporter that reports from the ack queues themselves (as the SGLang
+        adapter does) takes them over here."""
+
 
 class SyntheticAckPath:
     """The scheduler-side half of a HiCache controller: ack queues, node locks, completion checks."""
@@ -124,6 +129,8 @@ class SyntheticAckPath:
         self.ongoing_write_through: dict[int, _Node] = {}
         self.ongoing_load_back: dict[int, _Node] = {}
         self._next_node = 0
+        if reporter is not None:
+            reporter.adopt(self)
 
     def submit(
         self,
@@ -372,30 +379,33 @@ class OtelHiCacheReporter(Reporter):
 
 
 class DeferredOtelHiCacheReporter(OtelHiCacheReporter):
-    """The otel_hicache path as the SGLang adapter reports: the calling thread puts ``(seq, op, ack, time)`` on a
-    queue of its own (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`: two C calls, no Python frame
-    of ours); the telemetry's host thread reports it with ``record_transfer_at`` (no record object)."""
+    """The otel_hicache path as the SGLang adapter reports, with the adapter's own ack queues
+    (:class:`~otel_hicache.integrations.sglang.ack_queues.AckQueue`): appending an ack notes its submission (one clock
+    read and one dictionary entry), popping it puts one entry on a queue of the reporter's own
+    (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`: two C calls); the telemetry's host thread reports
+    it with ``record_transfer_at`` (no record object)."""
 
     name = "otel_hicache_deferred"
 
-    def __init__(self, telemetry: HiCacheTelemetry, source: TimingSource, flush: Any = None) -> None:
-        super().__init__(telemetry, source, flush)
-        self._sites = {op: telemetry.transfer_site(op, timing_source=source) for op in (BACKUP, LOAD_BACK)}
-        self._queue = telemetry.deferred_queue(self._report_at)
+    def adopt(self, path: SyntheticAckPath) -> None:
+        from otel_hicache.integrations.sglang.ack_queues import LOAD, WRITE, AckQueue, AckReporter
 
-    def _report(self, op: TransferOperation, ack: Ack) -> None:
-        queue = self._queue
-        queue.put((next(queue.seq), op, ack, monotonic_ns()))
+        for direction, name in ((WRITE, "ack_write_queue"), (LOAD, "ack_load_queue")):
+            reporter = AckReporter(self.telemetry, _CONTROLLER, direction, {}, _no_sample)
+            queue = AckQueue(getattr(path, name))
+            queue.attach(reporter, self.telemetry.deferred_queue(reporter.record))  # closed when the path goes
+            setattr(path, name, queue)
 
-    def _report_at(self, entry: tuple[int, TransferOperation, Ack, int]) -> None:
-        _, op, ack, done_ns = entry
-        self.telemetry.record_transfer_at(
-            self._sites[op],
-            ack.num_tokens_by_pool or {},
-            ack.num_bytes,
-            ack.submit_time_ns,
-            ANCHOR.to_epoch_ns(done_ns),
-            elapsed_seconds(ack.start_event, ack.finish_event, ack.timing_enabled),
-            1,
-            len(ack.node_ids),
-        )
+    def write_ack(self, ack: Ack) -> None:
+        pass  # reported as it left its queue
+
+    def load_ack(self, ack: Ack) -> None:
+        pass
+
+
+#: What the adapter reads of SGLang's controller when it adopts a queue.
+_CONTROLLER = SimpleNamespace(write_policy="write_through", io_backend="direct")
+
+
+def _no_sample() -> None:
+    """The adapter's access clock (eviction ages): nothing to sample in a synthetic path."""

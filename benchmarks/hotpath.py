@@ -218,9 +218,10 @@ def _table(paths: list[_Path], params: Params, device: str, checks: dict[str, bo
         f"the uninstrumented path's (goal for otel_hicache, OTLP: <= {HOST_CPU_GOAL_NS / 1e3:g} us).",
         "embedded = configure() with no endpoint (no collector: the summary's in-process readers). OTLP = "
         "configure(endpoint=..., protocol='grpc'), every span exported to a receiver in a child process.",
-        f"{DEFERRED}: the calling thread puts the ack on a queue of the reporter's own, the telemetry's host thread "
-        "reports it with record_transfer_at (as the SGLang adapter does with each consumed ack; its host-process "
-        "CPU includes that thread's work, settled by the flush).",
+        f"{DEFERRED}: the ack queues are the SGLang adapter's own (AckQueue): appending an ack notes its "
+        "submission (outside the timed checks here), popping it puts it on a queue of the reporter's own, and the "
+        "telemetry's host thread reports it with record_transfer_at (its host-process CPU includes that thread's "
+        "work, settled by the flush).",
     ]
     for name, met in goals.items():
         ours = table.data[name]

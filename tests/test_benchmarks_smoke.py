@@ -123,17 +123,28 @@ def test_cli_rejects_an_unknown_benchmark() -> None:
 
 
 @pytest.mark.sglang
-def test_real_sglang_ack_path_smoke(tmp_path: Path) -> None:
+def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_placement(tmp_path: Path) -> None:
     pytest.importorskip("sglang")
     _, tables = _run(tmp_path, "sglang")
     table = tables["sglang"]
     assert all(table["checks"].values()), table["checks"]
-    assert len(table["rows"]) == 8
-    assert set(table["data"]["goals"]) == {"writing_check(finish_count=n)", "writing_check()"}
-    for name, values in table["data"].items():
-        if name != "goals":
+    data = table["data"]
+    patterns = ("writing_check(finish_count=n)", "writing_check()")
+    placements = {key.split("/")[0] for key in data["goals"]}
+    assert "unpinned" in placements and placements <= {"unpinned", "pinned"}
+    assert len(table["rows"]) == 4 * len(patterns) * len(placements)
+    # both goals are judged for every placement and call pattern (met or not: no timing is asserted)
+    assert set(data["goals"]) == {f"{where}/{pattern}" for where in placements for pattern in patterns}
+    assert all(set(goals) == {"submission_consumption", "whole", "host_cpu"} for goals in data["goals"].values())
+    assert data["export_process_found"]
+    for name, values in data.items():
+        if isinstance(values, dict) and "whole_added" in values:
+            paired = values["submit_added"] + values["check_added"] + values["empty_added"]
+            assert math.isclose(values["paired_added"], paired, abs_tol=1e-6), name
+            assert math.isclose(values["whole_added"], paired + values["admit_added"], abs_tol=1e-6), name
             assert _sane(values["check_p50"]) and values["check_p50"] > 0, name
-            assert {"ratio_vs_prometheus", "ratio_with_empty_check", "host_cpu_added"} <= set(values), name
+            assert {"ratio_paired", "ratio_whole", "ratio_consumption", "host_cpu_added", "export_cpu"} <= set(values)
+            assert "receiver_cpu" in values
 
 
 @pytest.mark.skipif(

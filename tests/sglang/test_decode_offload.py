@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("sglang")
 
 from otel_hicache import semconv as sc
-from otel_hicache.integrations.sglang.hooks import AckQueue
+from otel_hicache.integrations.sglang.ack_queues import AckQueue
 from otel_hicache.testing import free_port
 from otel_hicache.testing.sdk import Sdk, attributes_of
 from otel_hicache.testing.sglang import FileStorage, pump

@@ -60,9 +60,9 @@ LAG_S = 0.2
 @pytest.fixture
 def short_lag(monkeypatch: pytest.MonkeyPatch) -> None:
     """The self-check's window (a difference must outlast it to be real), short for the tests."""
-    from otel_hicache.integrations.sglang import hooks
+    from otel_hicache.integrations.sglang import self_check
 
-    monkeypatch.setattr(hooks, "CHECK_LAG_S", LAG_S)
+    monkeypatch.setattr(self_check, "CHECK_LAG_S", LAG_S)
 
 
 def checked_for(otel: Sdk, seconds: float) -> dict[tuple[Any, ...], int]:

@@ -254,10 +254,12 @@ def test_controller_write_and_load_round_trip_and_report_only_consumed_acks(
 def test_uninstrument_restores_every_original_and_instrumenting_twice_wraps_once(cpu_sglang: None, otel: Sdk) -> None:
     import importlib
 
+    from otel_hicache.integrations._base import ProcessSink
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
-    from otel_hicache.integrations.sglang.instrumentor import _STAT_LOGGER_MODULES, _TARGETS
+    from otel_hicache.integrations.sglang.hooks import HiCacheHooks
+    from otel_hicache.integrations.sglang.instrumentor import _STAT_LOGGER_MODULES, hicache_patches
 
-    targets = [target for target, _ in _TARGETS]
+    targets = [target for target, _ in hicache_patches(HiCacheHooks(ProcessSink(sc.Engine.SGLANG)))]
     owners = [getattr(importlib.import_module(t.module), t.owner) for t in targets]
     originals = [vars(owner)[t.attribute] for owner, t in zip(owners, targets, strict=True)]
     modules = [importlib.import_module(m) for m in _STAT_LOGGER_MODULES]
@@ -451,7 +453,7 @@ def test_adopted_queues_stay_lists_stop_reporting_when_uninstrumented_and_report
     cpu_sglang: None, otel: Sdk, sglang_metrics: Any
 ) -> None:
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
-    from otel_hicache.integrations.sglang.hooks import AckQueue
+    from otel_hicache.integrations.sglang.ack_queues import AckQueue
 
     instrumentor = SGLangHiCacheInstrumentor()
     instrumentor.instrument(telemetry=otel.telemetry, stat_loggers=False)
@@ -461,8 +463,9 @@ def test_adopted_queues_stay_lists_stop_reporting_when_uninstrumented_and_report
         tree.step()
         queue = tree.cc.ack_write_queue
         assert isinstance(queue, AckQueue) and queue.reporter is not None  # adopted at the first submission (a list)
+        assert "start_writing" in vars(tree.cc)  # its later submissions call SGLang's method, not our wrapper
         instrumentor.uninstrument()
-        assert queue.reporter is None
+        assert queue.reporter is None and "start_writing" not in vars(tree.cc)
         tree.insert(SEQ_B)
         tree.step()  # consumed while uninstrumented: SGLang runs on, nothing is reported
         instrumentor.instrument(telemetry=otel.telemetry, stat_loggers=False)
@@ -482,7 +485,7 @@ def test_instrumenting_again_and_again_keeps_one_reporter_per_queue_alive(
     import gc
 
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
-    from otel_hicache.integrations.sglang.hooks import AckReporter
+    from otel_hicache.integrations.sglang.ack_queues import AckReporter
 
     def reporters() -> int:
         gc.collect()

@@ -21,9 +21,10 @@ What is reported, all through :class:`~otel_hicache.telemetry.HiCacheTelemetry`:
 ========================================  =============================================================================
 SGLang method (wrapped)                   becomes
 ========================================  =============================================================================
-``HiCacheController.start_writing`` /     submission time and merged-op count of the ack it appends; the first one
-``start_loading``                         also makes the controller's ``ack_write_queue`` / ``ack_load_queue`` an
-                                          :class:`.hooks.AckQueue` (a list, same acks) that reports acks as they leave
+``HiCacheController.start_writing`` /     the first one on a controller makes its ``ack_write_queue`` /
+``start_loading``                         ``ack_load_queue`` an :class:`.ack_queues.AckQueue` (a list, same acks) that
+                                          notes each ack's submission as SGLang appends it and reports acks as they
+                                          leave; the controller's later submissions skip the wrapper
 each ack leaving a queue (not a wrapped   one ``hicache.backup`` / ``hicache.load_back`` span and transfer record per
 method: ``pop(0)`` in ``writing_check``,  consumed ``HiCacheAck``: tokens per pool, bytes (one total; SGLang does not
 ``loading_check`` and PD decode's         split bytes by pool), node count, copy time from the ack's own events when
@@ -58,8 +59,9 @@ progress``                                SGLang's stop policy lets the request 
 ``HiCacheController.reset``               forgets acks the reset discarded (also under suppression)
 ========================================  =============================================================================
 
-Span times: start = submission (when ``start_writing`` / ``start_loading`` was entered), end = when the ack left its
-queue (SGLang consumes only completed acks); both on the monotonic clock, anchored to the wall clock once. The
+Span times: start = submission (when SGLang queued the ack, right after handing the merged copy to its transfer
+stream), end = when the ack left its queue (SGLang consumes only completed acks); both on the monotonic clock, anchored
+to the wall clock once. The merged-op count is the ack's node ids (one per merged op). The
 device-measured copy time is the ``hicache.transfer.copy_duration`` attribute and the ``hicache.transfer.duration``
 histogram. No device synchronisation is added.
 
@@ -78,27 +80,30 @@ tokens times its bytes per token (0 where the host pool is a group that does not
 
 Eviction bookkeeping lives on SGLang's own objects: a load back marks the radix nodes whose host copies it reads
 (an attribute on the node), and the age of a node comes from its ``last_access_time``, a logical counter, through
-samples of that counter's value and the time (at submissions, admissions and eviction passes; bounded, see
-:data:`.hooks.CLOCK_SAMPLES`): a lower bound, at scheduler-step resolution. A node split after a load back read it
-leaves its new half unmarked. L3 backups are never counted as wasted: SGLang's file backend does not evict. The
-per-node detail needs SGLang's Python TreeCore (the suite's); with its Rust TreeCore the nodes stay inside Rust: the
-eviction series then count every token with ``hicache.eviction.reused`` unknown, no age and no waste.
+samples of that counter's value and the time (at admissions, eviction passes and as consumed transfers are reported;
+bounded, see :data:`.eviction.CLOCK_SAMPLES`): a lower bound, at scheduler-step resolution. A node split after a load
+back read it leaves its new half unmarked. L3 backups are never counted as wasted: SGLang's file backend does not
+evict. The per-node detail needs SGLang's Python TreeCore (the suite's); with its Rust TreeCore the nodes stay inside
+Rust: the eviction series then count every token with ``hicache.eviction.reused`` unknown, no age and no waste.
 
 Never undercounting silently, on a release that changed: a drop reason this adapter does not know is counted as
 ``other``, and hits under a prefill-adder counter it does not know (``log_*_hit_tokens``) as prefill mode ``other``,
 every time; an ack that leaves its queue any way a list allows (``pop``, ``clear``, ``del q[:n]``, slice assignment,
 ``remove``, ``*=``) is reported, and a queue that is not a list is left alone with one warning. Where SGLang keeps its
-radix-cache collector in the same process (``--enable-metrics``), a self-check (:class:`.hooks.CountersCheck`,
+radix-cache collector in the same process (``--enable-metrics``), a self-check (:class:`.self_check.CountersCheck`,
 about once a second and at each flush) compares our backup and load-back tokens and bytes, evicted and dropped tokens
-with it; a difference that outlasts :data:`.hooks.CHECK_LAG_S` counts one ``otel_hicache.engine.mismatch`` per
+with it; a difference that outlasts :data:`.self_check.CHECK_LAG_S` counts one ``otel_hicache.engine.mismatch`` per
 instrument, with one warning. (L3 and prefill series are not self-checked: see the known differences above; the
 prefill collector belongs to the scheduler, which no wrapper sees.)
 
-Cost on the scheduler thread: the completion checks are not wrapped (a check that consumes nothing costs nothing);
-each consumed ack costs one entry put on its queue's :class:`~otel_hicache.telemetry.DeferredQueue`
+Cost on the scheduler thread: neither the submissions (after a controller's first) nor the completion checks run
+through a wrapper; each submitted ack costs a clock read, a suppression check and a dictionary entry as SGLang
+appends it, each consumed ack one entry put on its queue's :class:`~otel_hicache.telemetry.DeferredQueue`
 (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`), and the record is built and counted on the
-telemetry's host thread. ``.venv-sglang/bin/python -m benchmarks sglang`` measures the cost per ack against SGLang's
-own prometheus metrics, for both ways ``writing_check`` is called (see the README's Overhead table).
+telemetry's host thread; a prefill admission's split is counted there too (with request tracing on, at once, onto the
+request's span). ``.venv-sglang/bin/python -m benchmarks sglang`` measures the whole per transfer (submission,
+consumption, admission) against SGLang's own prometheus metrics, for both ways ``writing_check`` is called (see
+docs/overhead.md).
 
 Patching and failure rules (shared by every engine adapter, :mod:`otel_hicache.integrations._base`): ``instrument()``
 imports nothing of SGLang (nor torch); each SGLang module is patched when it is imported (at once if it already is). A

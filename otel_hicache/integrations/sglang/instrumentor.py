@@ -26,28 +26,34 @@ _TREE = "sglang.srt.mem_cache.unified_radix_cache"
 _POLICY = "sglang.srt.managers.schedule_policy"
 _TREE_CORE = "sglang.srt.mem_cache.unified_cache.unified_tree_core"
 
-#: Every HiCache patch, in one table: (target with the parameters its wrapper reads, the :class:`HiCacheHooks`
-#: method that wraps it).
-_TARGETS: Final[tuple[tuple[Target, str], ...]] = (
-    (Target(_CONTROLLER, "HiCacheController", "start_writing"), "start_writing"),
-    (Target(_CONTROLLER, "HiCacheController", "start_loading"), "start_loading"),
-    (Target(_CONTROLLER, "HiCacheController", "reset"), "reset"),
-    (Target(_CONTROLLER, "HiCacheController", "_page_backup_or_log", ("operation",)), "storage_backup"),
-    (Target(_TREE, "UnifiedRadixCache", "load_back", ("node_id", "mem_quota", "req")), "load_back"),
-    (Target(_TREE, "UnifiedRadixCache", "checkpoint_into_tree", ("req",)), "checkpoint"),
-    (Target(_TREE, "UnifiedRadixCache", "advance_unpublished_req", ("req",)), "checkpoint"),
-    (Target(_TREE, "UnifiedRadixCache", "_evict"), "evict"),
-    (Target(_TREE, "UnifiedRadixCache", "_evict_device_leaf", ("node_id", "tracker")), "device_entry"),
-    (Target(_TREE, "UnifiedRadixCache", "_demote", ("node_id", "tracker")), "device_entry"),
-    (Target(_TREE, "UnifiedRadixCache", "evict_host", ("num_tokens",)), "evict_host"),
-    (Target(_TREE_CORE, "UnifiedTreeCore", "_evict_host_leaf", ("node", "tracker")), "host_entry"),
-    (Target(_TREE, "UnifiedRadixCache", "_record_dropped_tokens", ("dropped_tokens", "reason")), "dropped_tokens"),
-    (Target(_TREE, "UnifiedRadixCache", "_handle_prefetch_result", ("operation",)), "storage_prefetch"),
-    (Target(_TREE, "UnifiedRadixCache", "check_prefetch_progress", ("request",)), "prefetch_progress"),
-    (Target(_TREE, "UnifiedRadixCache", "init_hicache"), "init_hicache"),
-    (Target(_POLICY, "PrefillAdder", "_update_prefill_budget"), "prefill_budget"),
-    (Target(_POLICY, "PrefillAdder", "_account_prefill_cache_admission", ("req",)), "prefill_admission"),
-)
+
+def hicache_patches(hooks: HiCacheHooks) -> list[tuple[Target, Wrapper]]:
+    """Every HiCache patch, in one table: each target, with the parameters its wrapper reads, and the method of
+    ``hooks`` that wraps it."""
+    return [
+        (Target(_CONTROLLER, "HiCacheController", "start_writing"), hooks.start_writing),
+        (Target(_CONTROLLER, "HiCacheController", "start_loading"), hooks.start_loading),
+        (Target(_CONTROLLER, "HiCacheController", "reset"), hooks.reset),
+        (Target(_CONTROLLER, "HiCacheController", "_page_backup_or_log", ("operation",)), hooks.storage_backup),
+        (Target(_TREE, "UnifiedRadixCache", "load_back", ("node_id", "mem_quota", "req")), hooks.load_back),
+        (Target(_TREE, "UnifiedRadixCache", "checkpoint_into_tree", ("req",)), hooks.checkpoint),
+        (Target(_TREE, "UnifiedRadixCache", "advance_unpublished_req", ("req",)), hooks.checkpoint),
+        (Target(_TREE, "UnifiedRadixCache", "_evict"), hooks.evict),
+        (Target(_TREE, "UnifiedRadixCache", "_evict_device_leaf", ("node_id", "tracker")), hooks.device_entry),
+        (Target(_TREE, "UnifiedRadixCache", "_demote", ("node_id", "tracker")), hooks.device_entry),
+        (Target(_TREE, "UnifiedRadixCache", "evict_host", ("num_tokens",)), hooks.evict_host),
+        (Target(_TREE_CORE, "UnifiedTreeCore", "_evict_host_leaf", ("node", "tracker")), hooks.host_entry),
+        (
+            Target(_TREE, "UnifiedRadixCache", "_record_dropped_tokens", ("dropped_tokens", "reason")),
+            hooks.dropped_tokens,
+        ),
+        (Target(_TREE, "UnifiedRadixCache", "_handle_prefetch_result", ("operation",)), hooks.storage_prefetch),
+        (Target(_TREE, "UnifiedRadixCache", "check_prefetch_progress", ("request",)), hooks.prefetch_progress),
+        (Target(_TREE, "UnifiedRadixCache", "init_hicache"), hooks.init_hicache),
+        (Target(_POLICY, "PrefillAdder", "_update_prefill_budget"), hooks.prefill_budget),
+        (Target(_POLICY, "PrefillAdder", "_account_prefill_cache_admission", ("req",)), hooks.prefill_admission),
+    ]
+
 
 #: Modules that bound ``resolve_collector_class`` by name for the stat-logger roles we serve.
 _STAT_LOGGER_MODULES: Final[tuple[str, ...]] = (
@@ -98,7 +104,7 @@ class SGLangHiCacheInstrumentor(EngineInstrumentor):
 
     def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
         hooks = self._hooks = HiCacheHooks(sink, sglang_ranks)
-        patches: list[tuple[Target, Wrapper]] = [(target, getattr(hooks, hook)) for target, hook in _TARGETS]
+        patches = hicache_patches(hooks)
         if options.get("stat_loggers", True):
             resolve = OTelStatLoggers(options.get("meter_provider")).resolve_collector_class
             patches += [
