@@ -49,6 +49,9 @@ after_alloc``                                 ``PrefillStats`` and the connector
 ``Scheduler._update_waiting_for_remote_kv``   ``hicache.request.kv_wait{tier=host}``: the time the request spent in
                                               ``WAITING_FOR_REMOTE_KVS``, vLLM's state for a request whose KV the
                                               connector loads (its exemplar: the request's trace)
+``KVCacheManager.record_prefix_cache_stats``  ``hicache.capacity.hit_ratio{tier, factor}`` (engine core): each request
+                                              admitted after a prefix-cache lookup, its block hashes handed to the
+                                              capacity estimator (:mod:`.capacity`: what the model assumes)
 ``Scheduler.add_request``,                    with vLLM's tracing on (``--otlp-traces-endpoint``): vLLM's request
 ``OffloadingConnectorScheduler.build_         span ``llm_request`` gets ``hicache.prefix.tokens.<mode>`` and
 connector_meta``, ``OutputProcessor.          ``hicache.kv_wait.host``, and each transfer span links to the request
