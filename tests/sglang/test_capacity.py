@@ -150,3 +150,42 @@ def test_retracted_requests_are_not_lookups(instrumented: Sdk, one_thread: None,
         served.close()
     predicted = predictions(instrumented)
     assert predicted["device", "inf"] == 0.0  # one lookup only: the first, cold
+
+
+def test_a_scheduler_exports_the_curve_of_both_tiers_over_otlp(cpu_sglang: Any, one_thread: None) -> None:
+    """Over OTLP (the export process of :func:`otel_hicache.sdk.configure`) into the in-process receiver: every tier and
+    factor of the closed sets, ratios that never fall as a tier grows, and the capacities they are for beside them."""
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+    from otel_hicache.sdk import configure
+    from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
+
+    expected = {(tier, factor) for tier in ("device", "host") for factor in sc.CAPACITY_FACTORS}
+
+    def exported() -> dict[tuple[str, str], float]:
+        metric = receiver.latest_metric(sc.METRIC_CAPACITY_HIT_RATIO)
+        points = [] if metric is None else metric.gauge.data_points
+        return {
+            (attributes(p.attributes)[sc.ATTR_TIER], attributes(p.attributes)[sc.ATTR_CAPACITY_FACTOR]): p.as_double
+            for p in points
+        }
+
+    with OtlpReceiver() as receiver:
+        setup = configure(endpoint=receiver.grpc_endpoint, protocol="grpc", service_name="sglang-capacity", env={})
+        instrumentor = SGLangHiCacheInstrumentor()
+        instrumentor.instrument(telemetry=setup.telemetry, stat_loggers=False)
+        try:
+            serve("write_through", DEVICE, HOST, list(itertools.islice(WORKLOADS["documents"](), 200)))
+            setup.telemetry.snapshot()  # every lookup is in the model
+            setup.force_flush()
+            assert receiver.wait_for(lambda: set(exported()) == expected, timeout_s=30)
+        finally:
+            instrumentor.uninstrument()
+            setup.shutdown()
+    curve = exported()
+    for tier in ("device", "host"):
+        ratios = [curve[tier, factor] for factor in sc.CAPACITY_FACTORS]
+        assert 0 < ratios[0] and ratios == sorted(ratios) and ratios[-1] < 1
+    limit = receiver.latest_metric(sc.METRIC_POOL_LIMIT)
+    assert limit is not None
+    host = [p for p in limit.sum.data_points if attributes(p.attributes)[sc.ATTR_TIER] == "host"]
+    assert [p.as_int for p in host] == [HOST + PAGE]  # SGLang's host pool: ratio x device, plus its padding page
