@@ -83,7 +83,7 @@ def predictions(otel: Sdk) -> dict[tuple[str, str], float]:
 
 #: SGLang 0.5.23's write-back host reclaims its copies of pages the device holds again (``_update_duplicate_tracking``
 #: in its tree core) before anything else: a plain exclusive LRU of device + host pages, which the estimator's
-#: write-back simulation (copies kept until the device evicts the page again) overstates by 8 to 10 points here.
+#: write-back simulation (copies kept until the device evicts the page again) overstates by 3 to 11 points here.
 WRITE_BACK_GAP = pytest.mark.xfail(
     strict=True, reason="the estimator's write-back model keeps a loaded-back page's host copy; SGLang reclaims it"
 )

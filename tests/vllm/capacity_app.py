@@ -37,9 +37,9 @@ def workload(seed: int) -> Iterator[list[int]]:
     from otel_hicache.testing.workloads import chats, documents, scan
 
     streams = [
-        chats(seed, vocab=VOCAB, active=16, turns=(2, 5)),
-        documents(seed, vocab=VOCAB, count=64),
-        scan(seed, vocab=VOCAB, count=24),
+        chats(seed, vocab=VOCAB, active=8, turns=(2, 5)),
+        documents(seed, vocab=VOCAB, count=32),
+        scan(seed, vocab=VOCAB, count=12),
     ]
     rng = random.Random(seed)
     while True:
