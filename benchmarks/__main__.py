@@ -1,4 +1,4 @@
-"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,importtax,sigkill,all} ... [--smoke]``
+"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,importtax,sigkill,capacity,all} ... [--smoke]``
 (``--device cpu|cuda``; ``--rates R,R`` for ``loop``)
 
 Prints one markdown table per benchmark (plus the machine line); ``--markdown FILE`` / ``--json FILE`` also write
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from benchmarks._common import Table, dump_json, machine_line
 
-NAMES = ("hotpath", "loop", "transfer", "soak", "sglang", "importtax", "sigkill")
+NAMES = ("hotpath", "loop", "transfer", "soak", "sglang", "importtax", "sigkill", "capacity")
 
 
 def _command(args: argparse.Namespace, name: str) -> str:
@@ -62,6 +62,10 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[], Table | None]:
         from benchmarks import sigkill
 
         return lambda: sigkill.run(args.smoke, command)
+    if name == "capacity":
+        from benchmarks import capacity
+
+        return lambda: capacity.run(capacity.Params.smoke() if args.smoke else capacity.Params(), command)
     if name == "importtax":
         from benchmarks import importtax
 

@@ -47,6 +47,9 @@ API, each name importable from ``otel_hicache`` (``help(otel_hicache.<name>)`` s
         .add_pool_usage_source(source)           a callable returning PoolUsage values, read about once a second
         .record_transfer_at(site, ...), .record_transfer_deferred(build, payload)
                                                  the tightest hot paths (docs/api.md)
+        .capacity_feed(page_tokens, tiers, keys=None)
+                                                 each admitted request's prefix lookup, for each tier's hit ratio at
+                                                 other sizes (otel_hicache.capacity: TierCapacity, page_keys)
         .snapshot()                              the exact counter totals; .flush(timeout_s=5.0); .shutdown(...)
     TransferRecord(operation, tokens_by_pool, num_bytes, submit_time_ns, complete_time_ns, copy_duration_s=None,
                    timing_source=TimingSource.NONE, merged_ops=1, node_count=0, bytes_by_pool=None,

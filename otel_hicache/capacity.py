@@ -323,11 +323,14 @@ class CapacityModel:
             pages = tokens / self.page_tokens
             ratios = {}
             for name, factor in sc.CAPACITY_FACTOR_VALUES.items():
-                size = math.floor(factor * pages) if not math.isinf(factor) else math.inf
-                sim = None if row.inclusive or math.isinf(size) else self._sims.get((faster, size))
+                if math.isinf(factor):
+                    ratios[name] = ceiling
+                    continue
+                size = math.floor(factor * pages)
+                sim = None if row.inclusive else self._sims.get((faster, size))
                 if sim is not None:  # its own sample: never above the ceiling of the larger one
                     ratios[name] = min(self._share(sim.hits, sim.sampled), ceiling)
-                else:  # an exclusive tier not simulated (yet): what it would hold with no copy in both
+                else:  # inclusive, or an exclusive tier not simulated yet (as if it held no copy of the faster's)
                     ratios[name] = self.hit_ratio(max(size, faster) if row.inclusive else faster + size)
             out[Tier(row.tier).value] = TierCurve(tokens, ratios)
         return out
@@ -500,15 +503,15 @@ class CapacityFeed:
             self._tiers = checked
             self._model.simulate(checked, self._limits)
 
-    def curve(self, limits: Mapping[tuple[str, str], int] = {}) -> dict[str, TierCurve]:
-        """Each tier's predicted ratios now (what the gauge reports); ``limits``: the last pool reading, by
-        ``(tier, pool)``. Lookups still queued are not in it: read :meth:`~otel_hicache.telemetry.HiCacheTelemetry.
-        snapshot` first, which waits for them."""
+    def curve(self, limits: Mapping[tuple[str, str], int] | None = None) -> dict[str, TierCurve]:
+        """Each tier's predicted ratios now (what the gauge reports); ``limits``: the pool reading by ``(tier, pool)``
+        that sizes the tiers given as ``tokens=None`` (None: the last one given). Lookups still queued are not in it:
+        read :meth:`~otel_hicache.telemetry.HiCacheTelemetry.snapshot` first, which waits for them."""
         with self._lock:
-            if limits != self._limits:  # a capacity from the pool reading: simulate its sizes from now on
+            if limits is not None and limits != self._limits:  # sizes from a new reading: simulated from now on
                 self._limits = dict(limits)
-                self._model.simulate(self._tiers, limits)
-            return self._model.curve(self._tiers, limits)
+                self._model.simulate(self._tiers, self._limits)
+            return self._model.curve(self._tiers, self._limits)
 
     def close(self) -> None:
         """The producer is done: the gauge keeps its last values; the queue goes once drained."""

@@ -96,6 +96,20 @@ def main() -> None:
 )
 @click.option("--write-policy", type=click.Choice(WRITE_POLICIES), default="write_back", show_default=True)
 @click.option(
+    "--device-tokens",
+    type=click.IntRange(min=16),
+    default=1536,
+    show_default=True,
+    help="Capacity of the device (L1) tier in tokens.",
+)
+@click.option(
+    "--host-tokens",
+    type=click.IntRange(min=16),
+    default=1536,
+    show_default=True,
+    help="Capacity of the host (L2) tier in tokens.",
+)
+@click.option(
     "--storage-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Directory for the L3 file store (enables storage backup / prefetch).",
@@ -139,6 +153,8 @@ def demo(
     seed: int,
     device: str,
     write_policy: str,
+    device_tokens: int,
+    host_tokens: int,
     storage_dir: Path | None,
     endpoint: str | None,
     protocol: str | None,
@@ -204,6 +220,8 @@ def demo(
                     write_policy=write_policy,
                     storage_dir=storage_dir,
                     progress=on_progress,
+                    device_tokens=device_tokens,
+                    host_tokens=host_tokens,
                 )
             summary = summarize(setup, prefill_seconds_per_token)
             if as_json:

@@ -90,6 +90,7 @@ def render(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> str:
     evictions = ", ".join(f"{tier} {_n(n)} tokens" for tier, n in sorted(summary.evictions.items()))
     out.append(f"Evictions: {evictions or 'none'}")
     out += _answers(summary)
+    out += _what_if(result)
 
     if summary.pools:
         out += ["", "Pool usage at the end"]
@@ -201,10 +202,31 @@ def jsonable(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> dic
             value = [plain(v) for v in value]
         body[f.name] = plain(value)
     body["hit_rates"] = summary.hit_rates
+    body["capacity"] = result.capacity  # hicache.capacity.hit_ratio: tier -> tokens, predicted share by factor
     body["elapsed_s"] = result.wall_time_s
     body["mode"] = setup.mode
     body["result"] = dataclasses.asdict(result)
     return body
+
+
+def _what_if(result: DemoResult) -> list[str]:
+    """Each tier's predicted share of prompt tokens (served by it or a faster tier) at other sizes, beside what it
+    served: the model's error at 1x, the ceiling and the capacity misses."""
+    if not result.capacity:
+        return []
+    out = ["", "What if each tier were bigger or smaller (share of prompt tokens served by the tier or a faster one)"]
+    rows: list[tuple[str, ...]] = [("tier", "tokens", "observed", *(f"{f}x" for f in sc.CAPACITY_FACTORS[:-1]))]
+    rows[0] += ("ceiling", "error at 1x")
+    for tier, curve in result.capacity.items():
+        ratios, observed = curve["hit_ratio"], result.served_shares.get(tier)
+        error = f"{(ratios['1'] - observed) * 100:+.1f} pt" if observed is not None else "-"
+        rows.append((tier, _n(curve["tokens"]), _pct(observed), *(_pct(ratios[f]) for f in sc.CAPACITY_FACTORS), error))
+    out += _table(rows)
+    out.append(
+        "  (predicted from sampled reuse distances of the prefix lookups, the other tiers at today's size; ceiling: "
+        "all but first-time tokens)"
+    )
+    return out
 
 
 def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:

@@ -23,6 +23,8 @@ What the host process pays (the scheduler thread is latency-critical, and every 
   shares checked once). Past the bound the oldest is shed and counted
   (``otel_hicache.records.rejected{problem=queue_full}``), never built on the caller's thread; a hung ``build`` delays
   only that thread.
+* :meth:`HiCacheTelemetry.capacity_feed` hands a producer the same kind of queue for its prefix lookups: the page keys
+  are computed and the capacity estimator (:mod:`otel_hicache.capacity`) runs on the host thread.
 * Nothing raises into the caller: a malformed record is refused whole with a one-time warning and counted in
   ``otel_hicache.records.rejected``; a correction (an unknown pool counted as ``other``, a bad link left out) is
   counted in ``otel_hicache.records.normalized``; a span that cannot be queued is counted in

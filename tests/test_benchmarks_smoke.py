@@ -110,6 +110,13 @@ def test_soak_counts_every_transfer_and_samples_memory(smoke: tuple[str, dict[st
     assert accounted >= data["transfers"] >= data["spans_received"] + data["records_dropped"]
 
 
+def test_capacity_measures_the_scheduler_and_host_thread_costs_of_a_lookup(tmp_path: Path) -> None:
+    _, tables = _run(tmp_path, "capacity")
+    data = tables["capacity"]["data"]
+    assert len(tables["capacity"]["rows"]) == 11  # put, 8 host variants, record_transfer without and with
+    assert all(_sane(value) and value > 0 for value in data.values()), data
+
+
 def test_cli_rejects_an_unknown_benchmark() -> None:
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "nosuch"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr

@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,10 @@ DEMO_POOLS = (
     PoolSpec("mamba", layers=4, heads=1, head_dim=64, kv=False, per_node=True),  # one state slot per node
 )
 DEFAULT_REQUESTS = 200
+#: Each tier's capacity in tokens by default (``otel-hicache demo --device-tokens / --host-tokens``).
+DEVICE_TOKENS = 1536
+HOST_TOKENS = 1536
+PAGE_TOKENS = 16
 IN_FLIGHT = 2  # admitted requests holding their prefix at once
 
 
@@ -53,6 +58,18 @@ class DemoResult:
     prefix_tokens: dict[str, int]
     evicted_tokens: dict[str, int]
     transfer_failures: dict[str, int] = field(default_factory=dict)  # "operation/error_type" -> count
+    #: tier -> {"tokens": capacity today, "hit_ratio": {factor: predicted share}}: ``hicache.capacity.hit_ratio``
+    capacity: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def served_shares(self) -> dict[str, float]:
+        """Tier -> share of prompt tokens served by that tier or a faster one (what ``capacity`` predicts at 1x)."""
+        total = sum(self.prefix_tokens.values())
+        shares, served = {}, 0
+        for tier, mode in ((Tier.DEVICE, PrefillMode.DEVICE_HIT), (Tier.HOST, PrefillMode.HOST_HIT)):
+            served += self.prefix_tokens.get(mode.value, 0)
+            shares[tier.value] = served / total if total else 0.0
+        return shares
 
     @property
     def hit_rate(self) -> float:
@@ -61,12 +78,19 @@ class DemoResult:
         return hits / total if total else 0.0
 
 
-def demo_config(device: str, write_policy: str, storage_dir: str | os.PathLike[str], seed: int) -> CacheConfig:
+def demo_config(
+    device: str,
+    write_policy: str,
+    storage_dir: str | os.PathLike[str],
+    seed: int,
+    device_tokens: int = DEVICE_TOKENS,
+    host_tokens: int = HOST_TOKENS,
+) -> CacheConfig:
     return CacheConfig(
         pools=DEMO_POOLS,
-        page_size=16,
-        device_tokens=1536,
-        host_tokens=1536,
+        page_size=PAGE_TOKENS,
+        device_tokens=device_tokens,
+        host_tokens=host_tokens,
         device_states=48,
         host_states=96,
         write_policy=write_policy,
@@ -86,10 +110,15 @@ def run_demo(
     write_policy: str = "write_back",
     storage_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[int], None] | None = None,
+    device_tokens: int = DEVICE_TOKENS,
+    host_tokens: int = HOST_TOKENS,
 ) -> DemoResult:
-    """Serve ``requests`` prompts (default 200), or as many as fit in ``seconds``, or whichever ends first."""
+    """Serve ``requests`` prompts (default 200), or as many as fit in ``seconds``, or whichever ends first, with each
+    tier sized in tokens (at least one page)."""
     if requests is not None and requests < 0:
         raise ValueError(f"requests must be >= 0, not {requests}")
+    if min(device_tokens, host_tokens) < PAGE_TOKENS:
+        raise ValueError(f"each tier holds at least one page ({PAGE_TOKENS} tokens)")
     if seconds is not None and not seconds > 0:
         raise ValueError(f"seconds must be > 0, not {seconds}")
     if requests is None and seconds is None:
@@ -102,7 +131,7 @@ def run_demo(
             storage_dir = cleanup.enter_context(
                 tempfile.TemporaryDirectory(prefix="otel-hicache-l3-", ignore_cleanup_errors=True)
             )
-        cache = HiCache(demo_config(device, write_policy, storage_dir, seed), telemetry)
+        cache = HiCache(demo_config(device, write_policy, storage_dir, seed, device_tokens, host_tokens), telemetry)
         cleanup.callback(cache.close)
         start = time.perf_counter()
         deadline = start + seconds if seconds is not None else None
@@ -141,6 +170,10 @@ def _result(cache: HiCache, served: int, wall: float, device: str, policy: str) 
             nbytes[op][pool] += n
     if cache.store is not None:
         failures = {f"{op}/{err}": n for (op, err), n in cache.store.stats.failures.items()}
+    cache.telemetry.snapshot()  # waits until every lookup the cache fed the capacity estimator is counted
+    capacity = {
+        tier: {"tokens": curve.tokens, "hit_ratio": curve.hit_ratio} for tier, curve in cache.capacity.curve().items()
+    }
     dropped_by_pool: dict[str, dict[str, int]] = {r.value: {} for r in DropReason}
     for (reason, pool), n in cache.stats.dropped.items():
         dropped_by_pool[reason][pool] = n
@@ -156,4 +189,5 @@ def _result(cache: HiCache, served: int, wall: float, device: str, policy: str) 
         prefix_tokens={m.value: cache.stats.prefix.get(m.value, 0) for m in PrefillMode if m is not PrefillMode.OTHER},
         evicted_tokens={t.value: cache.stats.evicted.get(t.value, 0) for t in (Tier.DEVICE, Tier.HOST)},
         transfer_failures=failures,
+        capacity=capacity,
     )

@@ -72,7 +72,12 @@ def test_every_prediction_is_within_3_points_of_re_running_at_that_size(workload
     for tier, factors in sizes.items():
         for factor in factors:
             tokens = int(float(factor) * getattr(today, f"{tier}_tokens"))
-            again = serve(workload, dataclasses.replace(today, **{f"{tier}_tokens": tokens}))
+            sized = (
+                dataclasses.replace(today, device_tokens=tokens)
+                if tier == "device"
+                else dataclasses.replace(today, host_tokens=tokens)
+            )
+            again = serve(workload, sized)
             errors[tier, factor] = run.predicted[tier][factor] - again.observed[tier]
     assert all(abs(error) <= 0.03 for error in errors.values()), errors
     assert run.predicted["host"]["inf"] >= max(run.predicted["host"].values()) - 1e-9  # the ceiling

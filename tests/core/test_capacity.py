@@ -27,7 +27,9 @@ from otel_hicache.capacity import (
     page_keys,
 )
 from otel_hicache.records import PoolUsage
+from otel_hicache.sdk import configure
 from otel_hicache.semconv import Problem, RecordKind, Tier
+from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
 from otel_hicache.testing.sdk import Sdk, make_sdk
 
 PAGE = 16
@@ -272,3 +274,33 @@ class TestTheBound:
         assert model.sampled_keys == MAX_SAMPLED_KEYS  # sampling at ~10 %: the popular pages matter most
         for pages in (1_000, 10_000, 50_000):
             assert model.hit_ratio(pages) == pytest.approx(exact_lru(lookups, pages), abs=ERROR_BOUND), pages
+
+
+def test_the_export_process_exports_the_curve_over_otlp_from_the_shared_table() -> None:
+    """Over OTLP the curve leaves from the export process, which reads the capacity block of the shared table."""
+    with OtlpReceiver() as rx:
+        setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
+        try:
+            feed = setup.telemetry.capacity_feed(PAGE, [TierCapacity(Tier.DEVICE, 2 * PAGE)])
+            for keys in ([1], [2], [1], [2]):
+                feed.put((next(feed.seq), keys, PAGE))
+            setup.force_flush()
+
+            def today() -> float | None:
+                metric = rx.latest_metric(sc.METRIC_CAPACITY_HIT_RATIO)
+                points = (
+                    {}
+                    if metric is None
+                    else {
+                        attributes(p.attributes)[sc.ATTR_CAPACITY_FACTOR]: p.as_double for p in metric.gauge.data_points
+                    }
+                )
+                return points.get("1")
+
+            assert rx.wait_for(lambda: today() == 0.5, timeout_s=20), today()
+            metric = rx.latest_metric(sc.METRIC_CAPACITY_HIT_RATIO)
+            assert metric is not None and metric.unit == "1"
+            assert {attributes(p.attributes)[sc.ATTR_TIER] for p in metric.gauge.data_points} == {"device"}
+            assert setup.telemetry.export_pid is not None  # exported from another process
+        finally:
+            setup.shutdown()

@@ -54,6 +54,7 @@ def test_demo_prints_every_summary_section(summary_run: Result) -> None:
         "Is each tier the right size",
         "Wasted movement",
         "Load vs recompute",
+        "What if each tier were bigger or smaller",
         "Telemetry: ",
     ):
         assert heading in out, heading
@@ -103,6 +104,26 @@ def test_json_summary_matches_the_demos_own_ground_truth() -> None:
     backup = body["durations"]["backup"]
     assert 0 < backup["p50_s"] <= backup["p99_s"]
     assert body["bandwidth_bytes_per_s"]["backup"] > 0
+
+
+def test_tiers_sized_on_the_command_line_carry_their_capacity_curve_in_the_json() -> None:
+    result = run(
+        "demo", "--requests", "60", "--no-progress", "--json", "--device-tokens", "768", "--host-tokens", "3072"
+    )
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.output)
+    assert set(body["capacity"]) == {"device", "host"}
+    for tier, tokens in (("device", 768), ("host", 3072)):
+        curve = body["capacity"][tier]
+        assert curve["tokens"] == tokens and list(curve["hit_ratio"]) == list(sc.CAPACITY_FACTORS)
+        ratios = list(curve["hit_ratio"].values())
+        assert all(0 <= r <= 1 for r in ratios) and ratios == sorted(ratios), (tier, ratios)  # bigger never serves less
+    device, host = body["capacity"]["device"]["hit_ratio"], body["capacity"]["host"]["hit_ratio"]
+    assert host["1"] >= device["1"] and host["inf"] == device["inf"]  # the host serves what the device does, and more
+    assert set(body["hit_rates"]) == {"device", "host", "storage"}  # hit_rates keeps its meaning
+    table = run("demo", "--requests", "60", "--no-progress", "--device-tokens", "768").output
+    (device_row,) = [line for line in table.splitlines() if line.split()[:2] == ["device", "768"]]
+    assert device_row.endswith(" pt")  # the model's error at 1x, beside the observed share
 
 
 def test_seed_selects_the_workload() -> None:
@@ -157,6 +178,7 @@ BAD_INPUT: list[tuple[list[str], dict[str, str], str]] = [  # unformatted: one c
     ([], {"OTEL_TRACES_SAMPLER": "bogus"}, "OTEL_TRACES_SAMPLER='bogus' is not supported"),
     ([], {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.5"}, "OTEL_TRACES_SAMPLER_ARG='1.5'"),
     ([], {"OTEL_METRIC_EXPORT_INTERVAL": "soon"}, "OTEL_METRIC_EXPORT_INTERVAL='soon' is not a number"),
+    (["--device-tokens", "8"], {}, "'--device-tokens': 8 is not in the range x>=16"),
     ([], {"OTEL_METRIC_EXPORT_TIMEOUT": "-1"}, "OTEL_METRIC_EXPORT_TIMEOUT='-1' is out of range"),
     ([], {"OTEL_BSP_MAX_QUEUE_SIZE": "0"}, "OTEL_BSP_MAX_QUEUE_SIZE='0' is not valid"),
     ([], {"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "many"}, "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT='many' is not valid"),

@@ -54,6 +54,10 @@ RULE_LABELS: dict[str, set[str]] = {
     "HiCacheTelemetryRecordsLost": {"job", "instance"},
     "OTelSDKSpansDropped": {"job", "instance"},
     "HiCacheLoadSlowerThanRecompute": {"hicache_engine", "hicache_operation"},
+    "hicache:capacity_hit_ratio:gain_2x": {"job", "instance", "hicache_tier"},
+    "hicache:capacity_hit_ratio:loss_half": {"job", "instance", "hicache_tier"},
+    "HiCacheTierUndersized": {"job", "instance", "hicache_tier"},
+    "HiCacheTierOversized": {"job", "instance", "hicache_tier"},
 }
 #: Rules and the panel built on hicache_timing_source of hicache_transfer_size_bytes_total (bandwidth from timed
 #: transfers only, per timing source): checked by test_bandwidth_from_timed_transfers_per_timing_source.
@@ -250,6 +254,24 @@ def test_the_new_answers_describe_the_demo(live_demo: Prometheus) -> None:
         for s in live_demo.query("hicache:load_seconds_per_token:rate5m")
     }
     assert set(loads) <= {"load_back", "storage_prefetch"} and 0 < loads["load_back"] < 1
+
+
+def test_the_capacity_curve_of_each_tier_is_scraped_and_its_rules_describe_the_demo(live_demo: Prometheus) -> None:
+    """Every factor of both tiers the demo sizes, from its engine; the gain and loss rules are the curve's steps."""
+    curve = {
+        (s["metric"]["hicache_tier"], s["metric"]["hicache_capacity_factor"]): float(s["value"][1])
+        for s in live_demo.query(
+            "hicache_capacity_hit_ratio * on (job, instance) group_left (hicache_engine) target_info"
+        )
+        if s["metric"]["hicache_engine"] == "reference"
+    }
+    assert set(curve) == {(tier, f) for tier in ("device", "host") for f in ("0.25", "0.5", "1", "2", "4", "8", "inf")}
+    assert all(0 <= r <= 1 for r in curve.values())
+    gains = {
+        s["metric"]["hicache_tier"]: float(s["value"][1]) for s in live_demo.query("hicache:capacity_hit_ratio:gain_2x")
+    }
+    assert gains["device"] == pytest.approx(curve[("device", "2")] - curve[("device", "1")], abs=0.05)  # scrapes apart
+    assert all(gain >= 0 for gain in gains.values())  # a bigger tier never serves less
 
 
 def test_load_slower_than_recompute_matches_the_live_loads_by_engine(live_demo: Prometheus) -> None:
