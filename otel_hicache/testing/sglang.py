@@ -64,7 +64,9 @@ HEAD_NUM, HEAD_DIM, MAX_REQUESTS, MAX_CONTEXT = 2, 64, 10, 512
 SLIDING_WINDOW = 4  # the window of an SWA hybrid cache's sliding-window layers
 
 
-def _build_tree(kv_size: int, page_size: int, num_layers: int, hybrid_swa: bool) -> tuple[Any, Any, Any]:
+def _build_tree(
+    kv_size: int, page_size: int, num_layers: int, hybrid_swa: bool, max_context: int = MAX_CONTEXT
+) -> tuple[Any, Any, Any]:
     """(UnifiedRadixCache, device allocator, req_to_token_pool) as a scheduler builds them, on the CPU."""
     import torch
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -77,7 +79,7 @@ def _build_tree(kv_size: int, page_size: int, num_layers: int, hybrid_swa: bool)
 
     device, dtype = "cpu", torch.bfloat16
     req_to_token_pool = ReqToTokenPool(
-        size=MAX_REQUESTS, max_context_len=MAX_CONTEXT, device=device, enable_memory_saver=False
+        size=MAX_REQUESTS, max_context_len=max_context, device=device, enable_memory_saver=False
     )
     components: tuple[Any, ...] = (ComponentType.FULL,)
     if hybrid_swa:  # every other layer full attention, the rest sliding window
@@ -139,6 +141,8 @@ def build_hicache(
     storage_metrics: Any = None,
     hybrid_swa: bool = False,
     tp_group: Any = None,
+    hicache_ratio: float = 2.0,
+    max_context: int = MAX_CONTEXT,
 ) -> tuple[Any, Any, Any]:
     """A real UnifiedRadixCache with HiCache on a CPU (shims installed): (cache, device allocator, req_to_token_pool).
 
@@ -146,7 +150,9 @@ def build_hicache(
     cache also has SGLang's file L3 backend (``HiCacheFile``; call inside :func:`file_storage`) and reports to that
     StorageMetricsCollector. ``hybrid_swa``: a FULL + SWA hybrid cache (``HybridCacheController``, host pools ``kv``
     and ``swa``). ``tp_group``: a CPU (gloo) process group of the tensor-parallel ranks, as the scheduler passes its
-    ``tp_cpu_group``: the cache agrees on completed acks across the ranks (see :func:`init_cpu_parallel`)."""
+    ``tp_cpu_group``: the cache agrees on completed acks across the ranks (see :func:`init_cpu_parallel`).
+    ``hicache_ratio``: the host KV pool's size over the device pool's (``--hicache-ratio``); ``max_context``: the
+    longest request in tokens."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     tp_size = 1
@@ -162,11 +168,12 @@ def build_hicache(
         hicache_io_backend="direct",
         hicache_mem_layout="layer_first",
         hicache_write_policy=write_policy,
+        hicache_ratio=hicache_ratio,
         hicache_storage_backend="file" if storage else None,
         hicache_storage_backend_extra_config=json.dumps({"prefetch_threshold": 1}) if storage else None,
     )
     set_global_server_args_for_scheduler(server_args)
-    cache, allocator, req_to_token_pool = _build_tree(kv_size, page_size, num_layers, hybrid_swa)
+    cache, allocator, req_to_token_pool = _build_tree(kv_size, page_size, num_layers, hybrid_swa, max_context)
     if tp_group is not None:
         cache.tp_group = cache.cache_init_params.tp_cache_group = tp_group
         cache.attn_tp_group = cache.cache_init_params.attn_tp_cache_group = tp_group

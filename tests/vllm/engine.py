@@ -125,11 +125,17 @@ def serve(
             stop(process)
 
 
-def run_offline(model: str | os.PathLike[str], env: dict[str, str], *args: str, timeout_s: float = 600) -> str:
-    """Run :mod:`tests.vllm.offline_app` (vLLM's ``LLM`` and its engine processes) to its end; its output. On a
-    timeout its whole process group is killed."""
+def run_offline(
+    model: str | os.PathLike[str],
+    env: dict[str, str],
+    *args: str,
+    timeout_s: float = 600,
+    module: str = "tests.vllm.offline_app",
+) -> str:
+    """Run :mod:`tests.vllm.offline_app` (or another app ``module``: vLLM's ``LLM`` and its engine processes) to its
+    end; its output. On a timeout its whole process group is killed."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.vllm.offline_app", str(model), *args],
+        [sys.executable, "-m", module, str(model), *args],
         cwd=ROOT,
         env=env,
         text=True,

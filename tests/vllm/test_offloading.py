@@ -115,9 +115,10 @@ def test_every_target_fits_this_vllm_and_is_patched_with_no_warning(
     """Each target's declared shape (a plain function whose leading parameters are the ones its wrapper reads) is
     this vLLM's (0.32 or 0.33): the base's shape check lets every one through, exactly once."""
     from otel_hicache.integrations.vllm import VLLMOffloadInstrumentor
+    from otel_hicache.integrations.vllm.capacity import CAPACITY_TARGET
     from otel_hicache.integrations.vllm.instrumentor import _TARGETS
 
-    targets = [target for target, *_ in _TARGETS]
+    targets = [*(target for target, *_ in _TARGETS), CAPACITY_TARGET]
     modules = [importlib.import_module(t.module) for t in targets]
     holders = [getattr(m, t.owner) if t.owner else m for m, t in zip(modules, targets, strict=True)]
     originals = [vars(holder)[t.attribute] for holder, t in zip(holders, targets, strict=True)]

@@ -56,6 +56,9 @@ progress``                                SGLang's stop policy lets the request 
                                           link to; ``_account_prefill_cache_admission`` puts the prefix split (and the
                                           KV waits, ``hicache.kv_wait.<tier>``) on it
 ``UnifiedRadixCache.init_hicache``        ``hicache.pool.usage`` / ``.limit`` of the host KV pool, read at collection
+``PrefillAdder._commit_prefill_           ``hicache.capacity.hit_ratio{tier, factor}``: each admitted request handed to
+admission``                               the capacity estimator, its page keys hashed on the telemetry's host thread
+                                          (:mod:`.capacity`: what the model assumes)
 ``HiCacheController.reset``               forgets acks the reset discarded (also under suppression)
 ========================================  =============================================================================
 

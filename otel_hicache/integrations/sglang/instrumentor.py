@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from otel_hicache import semconv as sc
 from otel_hicache.integrations._base import EngineInstrumentor, ProcessSink, Ranks, Target, Wrapper
+from otel_hicache.integrations.sglang.capacity import CAPACITY_TARGET, CapacityHooks
 from otel_hicache.integrations.sglang.hooks import HiCacheHooks
 from otel_hicache.integrations.sglang.semconv import SGLANG_POOLS
 from otel_hicache.integrations.sglang.stat_loggers import OTelStatLoggers
@@ -105,6 +106,7 @@ class SGLangHiCacheInstrumentor(EngineInstrumentor):
     def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
         hooks = self._hooks = HiCacheHooks(sink, sglang_ranks)
         patches = hicache_patches(hooks)
+        patches.append((CAPACITY_TARGET, CapacityHooks(sink, sglang_ranks).admitted))  # hicache.capacity.*
         if options.get("stat_loggers", True):
             resolve = OTelStatLoggers(options.get("meter_provider")).resolve_collector_class
             patches += [

@@ -13,6 +13,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any, Final
 
 from otel_hicache.integrations._base import EngineInstrumentor, ProcessSink, Ranks, Target, Wrapper
+from otel_hicache.integrations.vllm.capacity import CAPACITY_TARGET, CapacityHooks
 from otel_hicache.integrations.vllm.cpu_tier import CpuTierHooks
 from otel_hicache.integrations.vllm.hooks import OffloadHooks
 from otel_hicache.integrations.vllm.per_request import RequestHooks
@@ -127,7 +128,8 @@ class VLLMOffloadInstrumentor(EngineInstrumentor):
             "tier": CpuTierHooks(sink, vllm_ranks),
             "requests": RequestHooks(sink, vllm_ranks),
         }
-        return [(target, getattr(groups[group], hook)) for target, group, hook in _TARGETS]
+        patches = [(target, getattr(groups[group], hook)) for target, group, hook in _TARGETS]
+        return [*patches, (CAPACITY_TARGET, CapacityHooks(sink, vllm_ranks).admitted)]  # hicache.capacity.*
 
 
 def vllm_ranks(spec: Any) -> Ranks:

@@ -1,0 +1,172 @@
+"""What the capacity estimator costs each engine per admitted request: the scheduler thread, and the host process.
+
+Run in each engine's venv::
+
+    .venv-sglang/bin/python -m benchmarks.engine_capacity sglang
+    .venv-vllm/bin/python -m benchmarks.engine_capacity vllm
+
+* **Scheduler thread**: the admission method wrapped as the instrumentor wraps it (wrapt, the failure-rule guard of
+  :mod:`otel_hicache.integrations._base`, our hook handing the request over), called on a real admitted request
+  (SGLang's ``Req`` from a real ``PrefillAdder`` admission; vLLM's ``Request`` with vLLM's own block hasher), minus the
+  same call of an unwrapped no-op standing in for the engine's method: what instrumenting adds per admission. Thread
+  CPU time, median of blocks.
+* **Host process**: the telemetry host thread's work for one admitted 4,096-token request - its page keys (SGLang:
+  hashed from its token ids, at page sizes 1 and 16; vLLM: its own block hashes, 16-token blocks) and the estimator's
+  update - on a model warmed with 5,000 requests of a Zipf-over-documents workload (sampling at its fixed size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+PROMPT_TOKENS = 4096
+WARM_REQUESTS = 5_000
+
+
+def _thread_ns(call: Callable[[], object], n: int, blocks: int = 15) -> float:
+    """Median over ``blocks`` of the thread CPU per call of ``call``, ``n`` calls a block."""
+    per_call = []
+    for _ in range(blocks):
+        t0 = time.thread_time_ns()
+        for _ in range(n):
+            call()
+        per_call.append((time.thread_time_ns() - t0) / n)
+    return statistics.median(per_call)
+
+
+def _wrapped_cost(hook: Any, instance: Any, args: tuple[Any, ...]) -> float:
+    """Thread CPU (ns) the instrumentation adds to one admission: ``hook`` installed as the instrumentor installs it,
+    around a no-op standing in for the engine's method, minus that no-op called bare."""
+    import wrapt
+
+    from otel_hicache.integrations._base import _safe
+
+    def admission(*_: Any) -> None:
+        return None
+
+    method = wrapt.FunctionWrapper(admission, _safe(hook, "bench", "capacity"))
+    bound = method.__get__(instance, type(instance))  # a method call on the engine's object, as in the engine
+    n = 20_000
+    return _thread_ns(lambda: bound(*args), n) - _thread_ns(lambda: admission(instance, *args), n)
+
+
+def _passthrough(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A hook that only calls the engine's method: the cost of being wrapped at all."""
+    return wrapped(*args, **kwargs)
+
+
+def _warm(feed: Any, keys: Callable[[list[int]], Any]) -> None:
+    from otel_hicache.testing.workloads import documents
+
+    for prompt in itertools.islice(documents(seed=3, count=2000, scale=4), WARM_REQUESTS):
+        feed.build((0, keys(prompt), len(prompt)))
+
+
+def _row(engine: str, what: str, ns: float) -> str:
+    return f"| {engine} | {what} | {ns / 1000:,.2f} |"
+
+
+def sglang() -> list[str]:
+    import logging
+
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from otel_hicache.capacity import TierCapacity
+    from otel_hicache.integrations._base import ProcessSink
+    from otel_hicache.integrations.sglang.capacity import CapacityHooks, request_keys
+    from otel_hicache.semconv import Engine, Tier
+    from otel_hicache.telemetry import HiCacheTelemetry
+    from otel_hicache.testing.sglang import install_cpu_shims, make_request
+    from otel_hicache.testing.sglang_serving import Served
+
+    logging.getLogger("sglang").setLevel(logging.ERROR)
+    install_cpu_shims()
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    rows = []
+    telemetry = HiCacheTelemetry(meter_provider=MeterProvider())
+    served = Served("write_through", 8192, 16384, page_size=16)
+    req = make_request(list(range(1, PROMPT_TOKENS + 1)), "bench")
+    req.init_next_round_input(served.cache)
+    adder = PrefillAdder(16, served.cache, served.allocator, None, 1.0, 1 << 20, None)
+    hooks = CapacityHooks(ProcessSink(Engine.SGLANG, telemetry=telemetry))
+    hooks._start(adder)  # the feed exists from the first admission on
+    cost = _wrapped_cost(hooks.admitted, adder, (req, None, 0))
+    rows.append(_row("SGLang 0.5.23", "scheduler thread: `_commit_prefill_admission` wrapped", cost))
+    guard = _wrapped_cost(_passthrough, adder, (req, None, 0))
+    rows.append(_row("SGLang 0.5.23", "of which any wrapper of the instrumentor (wrapt + failure-rule guard)", guard))
+    served.close()
+    for page in (1, 16):
+        tiers = (TierCapacity(Tier.DEVICE, 1 << 20), TierCapacity(Tier.HOST, 1 << 21))
+        feed = telemetry.capacity_feed(page, tiers, keys=functools.partial(request_keys, page_tokens=page))
+        _warm(feed, lambda prompt: make_request(prompt, "warm"))
+        request = make_request(list(range(7, 7 + PROMPT_TOKENS)), "bench")
+        entry = (0, request, PROMPT_TOKENS)
+        keys = _thread_ns(functools.partial(request_keys, request, page), 20, blocks=7)
+        total = _thread_ns(functools.partial(feed.build, entry), 20, blocks=7)
+        rows.append(_row("SGLang 0.5.23", f"host thread, 4,096-token request, page {page}: keys", keys))
+        rows.append(_row("SGLang 0.5.23", f"host thread, 4,096-token request, page {page}: keys + model", total))
+    telemetry.shutdown()
+    return rows
+
+
+def vllm() -> list[str]:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from otel_hicache.capacity import TierCapacity
+    from otel_hicache.integrations._base import ProcessSink
+    from otel_hicache.integrations.vllm.capacity import CapacityHooks
+    from otel_hicache.integrations.vllm.instrumentor import vllm_ranks
+    from otel_hicache.semconv import Engine, Tier
+    from otel_hicache.telemetry import HiCacheTelemetry
+
+    block = 16
+    hash_fn = get_hash_fn_by_name("sha256_cbor")
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(block, hash_fn)
+
+    def request(tokens: list[int]) -> Any:
+        return Request("bench", tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+
+    rows = []
+    telemetry = HiCacheTelemetry(meter_provider=MeterProvider())
+    hooks = CapacityHooks(ProcessSink(Engine.VLLM, telemetry=telemetry), vllm_ranks)
+    feed = telemetry.capacity_feed(block, (TierCapacity(Tier.DEVICE, 1 << 20), TierCapacity(Tier.HOST, 1 << 21)))
+    hooks._started, hooks._feed = True, feed  # as after the first admission (which reads the KVCacheManager)
+    admitted = request(list(range(1, PROMPT_TOKENS + 1)))
+    cost = _wrapped_cost(hooks.admitted, None, (admitted, 0))
+    rows.append(_row("vLLM 0.32", "scheduler thread: `record_prefix_cache_stats` wrapped", cost))
+    guard = _wrapped_cost(_passthrough, None, (admitted, 0))
+    rows.append(_row("vLLM 0.32", "of which any wrapper of the instrumentor (wrapt + failure-rule guard)", guard))
+    _warm(feed, lambda prompt: request(prompt).block_hashes)
+    entry = (0, request(list(range(7, 7 + PROMPT_TOKENS))).block_hashes, PROMPT_TOKENS)
+    model = _thread_ns(functools.partial(feed.build, entry), 20, blocks=7)
+    rows.append(_row("vLLM 0.32", "host thread, 4,096-token request, block 16: model (keys: vLLM's)", model))
+    telemetry.shutdown()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_capacity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("engine", choices=("sglang", "vllm"))
+    args = parser.parse_args()
+    rows = sglang() if args.engine == "sglang" else vllm()
+    print("| engine | per admitted request | us |")
+    print("|---|---|---|")
+    print("\n".join(rows))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""``hicache.capacity.hit_ratio`` for SGLang HiCache: each admitted request's prefix lookup fed to the capacity
+estimator (:mod:`otel_hicache.capacity`), page by page.
+
+The access stream is what SGLang's prefill admission commits (``PrefillAdder._commit_prefill_admission``): every
+request it admits, once (a chunked request's later chunks are not admissions; a retracted request coming back is left
+out, as SGLang leaves it out of its own per-tier counters). On the scheduler thread the wrapper only hands the
+request object over to the telemetry's host thread (one ``put`` on a bounded queue, two C calls); the page keys are
+computed there, from the request's prompt (``origin_input_ids``), a chain of hashes per SGLang page
+(:func:`otel_hicache.capacity.page_keys`, namespaced by the request's ``extra_key`` and ``cache_salt`` as SGLang's
+``RadixKey`` is). No token id leaves that thread; only the curve leaves the process.
+
+What the model assumes of SGLang (``docs/sglang.md``):
+
+* the device tier is an LRU over the radix tree's leaves, of the device KV pool's size
+  (``token_to_kv_pool_allocator.size``, tokens): a request's pages are touched last page first, so a prefix outlives
+  its extensions as a radix node outlives its children;
+* the host tier, of the host KV pool's size (its ``hicache.pool.limit``, read at each collection), holds what the device
+  holds under the write-through policies (``write_through``, ``write_through_selective``: inclusive) and what the
+  device evicted under ``write_back`` (exclusive);
+* the storage tier (L3) is not modelled;
+* one SGLang page is one model page; a prompt's last page counts as a possible hit (SGLang recomputes a prompt's
+  last token: off by one page for a prompt repeated exactly).
+
+Like every token-counted instrument, the curve is reported by one rank of each attention-TP group
+(:func:`~.instrumentor.reports_tokens`): every rank admits the same requests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from otel_hicache.capacity import CapacityFeed, TierCapacity, page_keys
+from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, Target
+from otel_hicache.semconv import Tier
+
+#: The admission the estimator is fed from (wrapped by :meth:`CapacityHooks.admitted`).
+CAPACITY_TARGET = Target("sglang.srt.managers.schedule_policy", "PrefillAdder", "_commit_prefill_admission", ("req",))
+_WRITE_BACK = "write_back"
+
+
+class CapacityHooks(EngineHooks):
+    """The wrapper of SGLang's prefill admission feeding the process's capacity estimator (one per process: one
+    scheduler, one tree)."""
+
+    def __init__(self, sink: ProcessSink, ranks: Callable[[], Ranks] | None = None) -> None:
+        super().__init__(sink, ranks)
+        self._feed: CapacityFeed | None = None
+        self._started = False
+        self._lock = threading.Lock()
+
+    def admitted(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``PrefillAdder._commit_prefill_admission(req, ...)``: hand ``req`` to the estimator."""
+        result = wrapped(*args, **kwargs)
+        feed = self._feed if self._started else self._start(instance)
+        if feed is not None:
+            req = args[0] if args else kwargs["req"]
+            if not req.retracted_stain:
+                feed.put((next(feed.seq), req, len(req.origin_input_ids)))
+        return result
+
+    def _start(self, adder: Any) -> CapacityFeed | None:
+        """At the first admission: the estimator over this scheduler's tree, its tiers read from SGLang's pools;
+        none where the process reports no tokens or the tree has no HiCache."""
+        with self._lock:
+            if self._started:
+                return self._feed
+            self._started = True
+            ranks = self._ranks
+            telemetry = self._sink()
+            cache = adder.tree_cache
+            controller = getattr(cache, "cache_controller", None)
+            if telemetry is None or controller is None or (ranks is not None and not ranks().token_metrics):
+                return None
+            tiers = (
+                TierCapacity(Tier.DEVICE, int(adder.token_to_kv_pool_allocator.size)),
+                TierCapacity(Tier.HOST, None, inclusive=controller.write_policy != _WRITE_BACK),
+            )
+            page = int(cache.page_size)
+            self._feed = telemetry.capacity_feed(page, tiers, keys=lambda req: request_keys(req, page))
+            return self._feed
+
+
+def request_keys(req: Any, page_tokens: int) -> list[Hashable]:
+    """The keys of ``req``'s full prompt pages (host thread): a hash chain over its token ids per page, in the
+    namespace SGLang's radix tree keys it in (``extra_key``, ``cache_salt``)."""
+    keys: list[Hashable] = list(page_keys(req.origin_input_ids, page_tokens))
+    namespace = (getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
+    if namespace != (None, None):
+        keys = [hash((namespace, key)) for key in keys]
+    return keys

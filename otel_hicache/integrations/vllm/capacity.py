@@ -1,0 +1,76 @@
+"""``hicache.capacity.hit_ratio`` for vLLM: each admitted request's prefix lookup fed to the capacity estimator
+(:mod:`otel_hicache.capacity`), block by block, in the scheduler (engine-core) process.
+
+The access stream is what vLLM's scheduler admits after a prefix-cache lookup: ``KVCacheManager.
+record_prefix_cache_stats(request, num_hits)``, which vLLM calls once per admission that looked the cache up (a
+request preempted and resumed is left out, as vLLM's own prefill statistics leave it out). The keys are vLLM's own
+block hashes (``Request.block_hashes``): on the scheduler thread the wrapper hands over a reference to that list and
+the prompt's length (one ``put`` on a bounded queue, two C calls); the telemetry's host thread reads the prompt's full
+blocks from it. No hash leaves the process; only the curve does.
+
+What the model assumes of vLLM (``docs/vllm.md``):
+
+* the device tier is vLLM's GPU prefix cache, an LRU over its free blocks (a finished request's blocks are freed last
+  block first, so a prefix outlives its extensions), of ``num_gpu_blocks - 1`` blocks (the null block excluded), for
+  a KV cache of one group (full attention; a hybrid model's groups are not modelled: no curve);
+* the host tier is the CPU offloading tier, of its size in chunks (its ``hicache.pool.limit``, read at each
+  collection), inclusive: vLLM offers every full block of every request to it, and its LRU (the CPU spec's default
+  ``eviction_policy``) touches a request's chunks last chunk first when the request finishes; an ``arc`` policy is
+  modelled as that LRU;
+* a prompt's last full block counts as a possible hit (vLLM recomputes a prompt's last token: off by one block for a
+  prompt repeated exactly).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from otel_hicache.capacity import CapacityFeed, TierCapacity
+from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, Target
+from otel_hicache.semconv import Tier
+
+#: The admission the estimator is fed from (wrapped by :meth:`CapacityHooks.admitted`).
+CAPACITY_TARGET = Target(
+    "vllm.v1.core.kv_cache_manager", "KVCacheManager", "record_prefix_cache_stats", ("request", "num_hits")
+)
+
+
+class CapacityHooks(EngineHooks):
+    """The wrapper of vLLM's prefix-cache admission feeding the engine core's capacity estimator."""
+
+    def __init__(self, sink: ProcessSink, ranks: Callable[[Any], Ranks]) -> None:
+        super().__init__(sink, ranks)
+        self._feed: CapacityFeed | None = None
+        self._started = False
+        self._lock = threading.Lock()
+
+    def admitted(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``KVCacheManager.record_prefix_cache_stats(request, num_hits)``: hand the request's block hashes over."""
+        result = wrapped(*args, **kwargs)
+        feed = self._feed if self._started else self._start(instance)
+        if feed is not None:
+            request = args[0] if args else kwargs["request"]
+            if not request.num_preemptions:
+                feed.put((next(feed.seq), request.block_hashes, request.num_prompt_tokens))
+        return result
+
+    def _start(self, manager: Any) -> CapacityFeed | None:
+        """At the first admission: the estimator over this scheduler's KV cache; none where the cache does not keep
+        prefixes or has several KV cache groups."""
+        with self._lock:
+            if self._started:
+                return self._feed
+            self._started = True
+            groups = manager.kv_cache_config.kv_cache_groups
+            telemetry = self._sink(None)
+            if telemetry is None or not manager.enable_caching or len(groups) != 1:
+                return None
+            block_tokens = int(groups[0].kv_cache_spec.block_size)
+            tiers = (
+                TierCapacity(Tier.DEVICE, (int(manager.block_pool.num_gpu_blocks) - 1) * block_tokens),
+                TierCapacity(Tier.HOST, None),  # the CPU tier's reading, where there is one
+            )
+            self._feed = telemetry.capacity_feed(block_tokens, tiers)
+            return self._feed

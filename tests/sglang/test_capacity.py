@@ -1,0 +1,191 @@
+"""Capacity answers on SGLang's real HiCache classes, checked the only honest way: by re-running.
+
+A seeded workload is served once at today's sizes (:class:`~otel_hicache.testing.sglang_serving.Served`: SGLang's own
+prefix match, admission, load back, allocation with eviction and release, instrumented), and the predictions
+``hicache.capacity.hit_ratio`` are read. Then the same workload is served again, uninstrumented, with one tier at 0.5x
+and 2x its size (the host also at 4x), the other unchanged: each prediction must be within 3 points of what SGLang's
+own per-tier counters observe in that re-run, and the prediction at 1x within 2 points of the first run's. Workloads
+with a spread of reuse distances (:mod:`otel_hicache.testing.workloads`): multi-turn chats on shared system prompts,
+questions over Zipf-popular documents, and a cyclic scan larger than the device tier (which LRU serves nothing of until
+the tier holds the whole cycle).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+from otel_hicache import semconv as sc
+from otel_hicache.records import PrefixSplit
+from otel_hicache.testing.sdk import Sdk
+from otel_hicache.testing.sglang_serving import Served
+from otel_hicache.testing.workloads import chats, documents, scan
+
+pytestmark = pytest.mark.sglang
+
+PAGE = 16
+DEVICE, HOST = 4096, 8192  # tokens today
+REQUESTS = 800
+#: Each workload sized so that its curve moves across the sizes tried (the scan's cycle, ~6,000 tokens, lies between
+#: the device tier and twice it).
+WORKLOADS = {
+    "chats": lambda: chats(seed=7, active=32),
+    "documents": lambda: documents(seed=7, count=96),
+    "scan": lambda: scan(seed=7, count=36),
+}
+#: Re-runs: (tier, factor) -> (device, host) tokens.
+RERUNS = {
+    ("device", "0.5"): (DEVICE // 2, HOST),
+    ("device", "2"): (2 * DEVICE, HOST),
+    ("host", "0.5"): (DEVICE, HOST // 2),
+    ("host", "2"): (DEVICE, 2 * HOST),
+    ("host", "4"): (DEVICE, 4 * HOST),
+}
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread: the KV copies of these small pools only contend on a busy machine with more."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def serve(policy: str, device: int, host: int, prompts: list[list[int]]) -> PrefixSplit:
+    served = Served(policy, device, host, page_size=PAGE)
+    try:
+        return served.serve(prompts)
+    finally:
+        served.close()
+
+
+def observed(split: PrefixSplit, tier: str) -> float:
+    """The share of prompt tokens SGLang served from ``tier`` or a faster one."""
+    hits = split.device_hit + (split.host_hit if tier == "host" else 0)
+    return hits / (split.input_tokens + split.device_hit + split.host_hit + split.storage_hit)
+
+
+def predictions(otel: Sdk) -> dict[tuple[str, str], float]:
+    otel.counters()  # every queued lookup is in the model
+    points = otel.points(sc.METRIC_CAPACITY_HIT_RATIO)
+    return {(dict(key)[sc.ATTR_TIER], dict(key)[sc.ATTR_CAPACITY_FACTOR]): point.value for key, point in points.items()}
+
+
+#: SGLang 0.5.23's write-back host reclaims its copies of pages the device holds again (``_update_duplicate_tracking``
+#: in its tree core) before anything else: a plain exclusive LRU of device + host pages, which the estimator's
+#: write-back simulation (copies kept until the device evicts the page again) overstates by 3 to 11 points here.
+WRITE_BACK_GAP = pytest.mark.xfail(
+    strict=True, reason="the estimator's write-back model keeps a loaded-back page's host copy; SGLang reclaims it"
+)
+
+
+@pytest.mark.parametrize(
+    ("workload", "policy"),
+    [
+        ("chats", "write_through"),
+        ("documents", "write_through"),
+        ("scan", "write_through"),
+        pytest.param("documents", "write_back", marks=WRITE_BACK_GAP),
+    ],
+)
+def test_each_prediction_is_what_rerunning_sglang_at_that_size_observes(
+    workload: str, policy: str, instrumented: Sdk, one_thread: None
+) -> None:
+    prompts = list(itertools.islice(WORKLOADS[workload](), REQUESTS))
+    today = serve(policy, DEVICE, HOST, prompts)
+    predicted = predictions(instrumented)
+    assert {tier for tier, _ in predicted} == {"device", "host"}
+    assert {factor for _, factor in predicted} == set(sc.CAPACITY_FACTORS)
+
+    errors: dict[tuple[str, str], float] = {}
+    for tier in ("device", "host"):
+        errors[tier, "1"] = predicted[tier, "1"] - observed(today, tier)
+    with suppress_instrumentation():  # the re-runs feed nothing
+        for (tier, factor), (device, host) in RERUNS.items():
+            errors[tier, factor] = predicted[tier, factor] - observed(serve(policy, device, host, prompts), tier)
+    report = {key: round(100 * error, 1) for key, error in errors.items()}
+    assert all(abs(error) <= 0.02 for (_, factor), error in errors.items() if factor == "1"), report
+    assert all(abs(error) <= 0.03 for error in errors.values()), report
+    if workload == "scan":  # LRU serves nothing of a cycle larger than the tier, all of one it holds
+        assert predicted["device", "1"] == 0.0 < predicted["device", "2"]
+
+
+def test_the_curve_is_fed_once_per_admitted_request_and_retracted_requests_are_left_out(
+    instrumented: Sdk, one_thread: None
+) -> None:
+    """Served twice, a prompt is one cold lookup then one hit: the ceiling is the share of the second (its full pages;
+    SGLang's own split says the same of the device)."""
+    prompt = list(range(1, 10 * PAGE + 5))  # 10 full pages and a partial one
+    split = serve("write_through", DEVICE, HOST, [prompt, prompt])
+    predicted = predictions(instrumented)
+    paged = 10 * PAGE / (2 * len(prompt))
+    assert predicted["device", "inf"] == pytest.approx(paged)
+    assert predicted["device", "1"] == pytest.approx(paged)
+    assert split.device_hit == 10 * PAGE  # SGLang's: the same full pages (its partial page is recomputed)
+
+
+def test_retracted_requests_are_not_lookups(instrumented: Sdk, one_thread: None, cpu_sglang: Any) -> None:
+    """A retracted request coming back is not counted by SGLang's per-tier counters, nor by the estimator."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    served = Served("write_through", DEVICE, HOST, page_size=PAGE)
+    try:
+        served.serve([list(range(1, 4 * PAGE + 1))])
+        from otel_hicache.testing.sglang import make_request
+
+        retracted = make_request(list(range(1, 4 * PAGE + 1)), "retracted", retracted=True)
+        retracted.init_next_round_input(served.cache)
+        PrefillAdder(PAGE, served.cache, served.allocator, None, 1.0, 1 << 20, None).add_one_req(retracted, False, None)
+    finally:
+        served.close()
+    predicted = predictions(instrumented)
+    assert predicted["device", "inf"] == 0.0  # one lookup only: the first, cold
+
+
+def test_a_scheduler_exports_the_curve_of_both_tiers_over_otlp(cpu_sglang: Any, one_thread: None) -> None:
+    """Over OTLP (the export process of :func:`otel_hicache.sdk.configure`) into the in-process receiver: every tier and
+    factor of the closed sets, ratios that never fall as a tier grows, and the capacities they are for beside them."""
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+    from otel_hicache.sdk import configure
+    from otel_hicache.testing.otlp_receiver import OtlpReceiver, attributes
+
+    expected = {(tier, factor) for tier in ("device", "host") for factor in sc.CAPACITY_FACTORS}
+
+    def exported() -> dict[tuple[str, str], float]:
+        metric = receiver.latest_metric(sc.METRIC_CAPACITY_HIT_RATIO)
+        points = [] if metric is None else metric.gauge.data_points
+        return {
+            (attributes(p.attributes)[sc.ATTR_TIER], attributes(p.attributes)[sc.ATTR_CAPACITY_FACTOR]): p.as_double
+            for p in points
+        }
+
+    with OtlpReceiver() as receiver:
+        setup = configure(endpoint=receiver.grpc_endpoint, protocol="grpc", service_name="sglang-capacity", env={})
+        instrumentor = SGLangHiCacheInstrumentor()
+        instrumentor.instrument(telemetry=setup.telemetry, stat_loggers=False)
+        try:
+            serve("write_through", DEVICE, HOST, list(itertools.islice(WORKLOADS["documents"](), 200)))
+            setup.telemetry.snapshot()  # every lookup is in the model
+            setup.force_flush()
+            assert receiver.wait_for(lambda: set(exported()) == expected, timeout_s=30)
+        finally:
+            instrumentor.uninstrument()
+            setup.shutdown()
+    curve = exported()
+    for tier in ("device", "host"):
+        ratios = [curve[tier, factor] for factor in sc.CAPACITY_FACTORS]
+        assert 0 < ratios[0] and ratios == sorted(ratios) and ratios[-1] < 1
+    limit = receiver.latest_metric(sc.METRIC_POOL_LIMIT)
+    assert limit is not None
+    host = [p for p in limit.sum.data_points if attributes(p.attributes)[sc.ATTR_TIER] == "host"]
+    assert [p.as_int for p in host] == [HOST + PAGE]  # SGLang's host pool: ratio x device, plus its padding page
