@@ -46,12 +46,12 @@ def _wrapped_cost(hook: Any, instance: Any, args: tuple[Any, ...]) -> float:
     around a no-op standing in for the engine's method, minus that no-op called bare."""
     import wrapt
 
-    from otel_hicache.integrations._base import _safe
+    from otel_hicache.integrations._patching import guarded
 
     def admission(*_: Any) -> None:
         return None
 
-    method = wrapt.FunctionWrapper(admission, _safe(hook, "bench", "capacity"))
+    method = wrapt.FunctionWrapper(admission, guarded(hook, "bench", "capacity"))
     bound = method.__get__(instance, type(instance))  # a method call on the engine's object, as in the engine
     n = 20_000
     return _thread_ns(lambda: bound(*args), n) - _thread_ns(lambda: admission(instance, *args), n)

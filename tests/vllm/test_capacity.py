@@ -19,8 +19,9 @@ import pytest
 
 from otel_hicache import semconv as sc
 from otel_hicache.testing.otlp_receiver import OtlpReceiver
+from otel_hicache.testing.vllm import BLOCK_TOKENS, environment
 from tests.vllm.capacity_app import results
-from tests.vllm.engine import BLOCK_TOKENS, Exported, environment, otlp_environment, run_offline
+from tests.vllm.engine import Exported, otlp_environment, run_offline
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2700)]
 
