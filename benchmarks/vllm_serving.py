@@ -185,6 +185,10 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+#: What an export process's command line holds (``python -m otel_hicache._internal.export.boot``).
+_EXPORTER = "otel_hicache._internal.export.boot"
+
+
 def _title(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -269,7 +273,7 @@ class Engine:
     def exporters(self) -> list[int]:
         """The export processes this engine's processes launched (marked, not vLLM's, not their launchers)."""
         ours = {self.process.pid, *_descendants(self.process.pid)}
-        return [pid for pid in _marked(f"{self.name}-{os.getpid()}") if pid not in ours and "exporter" in _title(pid)]
+        return [pid for pid in _marked(f"{self.name}-{os.getpid()}") if pid not in ours and _EXPORTER in _title(pid)]
 
     def exporter_ticks(self) -> dict[int, int]:
         """CPU ticks of each export process so far."""

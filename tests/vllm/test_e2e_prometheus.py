@@ -3,8 +3,8 @@ serves the Prometheus endpoint a real Prometheus scrapes; the shipped dashboard 
 data for it with the labels they rely on, as for SGLang and the demo (tests/pipeline/test_e2e_prometheus.py).
 
 The process drives vLLM's connector without vLLM's scheduler and model (tests.vllm.offload_app), so it reports
-transfers, failures, the CPU tier's occupancy and evictions, but no prefill and no request's KV wait (the scheduler's
-admissions), serves none of vLLM's own series (its prefill timing), and vLLM reports no drops: the panels and rules
+transfers, failures, the CPU tier's occupancy and evictions, but no prefill, no request's KV wait and no capacity curve
+(all three come from the scheduler's admissions: tests/vllm/test_capacity.py has the curve from a real engine), serves none of vLLM's own series (its prefill timing), and vLLM reports no drops: the panels and rules
 built only on those are listed here and return no data for it.
 """
 
@@ -33,14 +33,16 @@ from tests.pipeline.test_e2e_prometheus import (
 pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-#: What this process cannot feed: per-tier prefill hits and KV waits (no scheduler admits requests), vLLM's own
-#: prefill timing (no engine), and drops (vLLM has none).
+#: What this process cannot feed: per-tier prefill hits, KV waits and the capacity curve (no scheduler admits requests),
+#: vLLM's own prefill timing (no engine), and drops (vLLM has none).
 NOT_FROM_VLLM_PANELS = {
     "Prefix hit rate by tier",
     "Prefill tokens: computed vs hit per tier",
     "Dropped tokens by reason and pool",
     "Drop ratio",
     "Request KV wait p50 / p99, by tier",
+    "Predicted share of prompt tokens served at each size, by engine and tier",
+    "Gain from doubling and loss from halving each tier (points)",
 }
 NOT_FROM_VLLM_RULES = {
     "hicache:prefill_hit_ratio:rate5m",
@@ -51,6 +53,10 @@ NOT_FROM_VLLM_RULES = {
     "HiCachePrefixHitRateCollapse",
     "hicache:engine_prefill_seconds_per_token:rate5m",
     "HiCacheLoadSlowerThanRecompute",
+    "hicache:capacity_hit_ratio:gain_2x",
+    "hicache:capacity_hit_ratio:loss_half",
+    "HiCacheTierUndersized",
+    "HiCacheTierOversized",
 }
 
 
