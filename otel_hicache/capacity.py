@@ -6,7 +6,10 @@ The contract, for a producer (an engine adapter, the reference cache):
   process, one cache: a new feed replaces the last). ``tiers`` are :class:`TierCapacity` rows, fastest first (device,
   then host, then storage), each with today's capacity in tokens and how it relates to the faster tiers:
   ``inclusive=True`` a tier that holds what the faster ones hold (a write-through host, an L3 store fed from the host),
-  ``inclusive=False`` one that holds what they evicted (a write-back host). ``tokens=None`` takes today's capacity
+  ``inclusive=False`` one that holds what they evicted (a write-back host); for the latter ``reclaims_copies=True``
+  when it drops its copy of a page the faster tiers load back (SGLang's ``write_back`` host: the tier and the faster
+  ones form one exclusive LRU of their summed size), ``False`` (the default) when it keeps that copy until they evict
+  the page again (the reference cache's). ``tokens=None`` takes today's capacity
   from the last pool reading (``hicache.pool.limit`` of that tier and ``pool``, see
   :meth:`~otel_hicache.telemetry.HiCacheTelemetry.add_pool_usage_source`); a tier whose capacity is not known yet is
   not reported. :meth:`CapacityFeed.set_tiers` changes them later (a resized pool).
@@ -30,7 +33,8 @@ The contract, for a producer (an engine adapter, the reference cache):
 * **Cost**: the host thread pays a ``hash`` and a compare per page, and the model's work per *sampled* page only. The
   memory is fixed whatever the traffic: :data:`MAX_SAMPLED_KEYS` pages at most, at most :data:`FOOTPRINT_BYTES`
   (2 MiB) per feed - one feed serves every tier of the process - and :data:`SIMULATION_BYTES` (6 MiB) more per
-  exclusive tier. The sampling error stays within :data:`ERROR_BOUND` (2 points) of an exact LRU.
+  exclusive tier that keeps copies (``reclaims_copies=False``). The sampling error stays within :data:`ERROR_BOUND`
+  (2 points) of an exact LRU.
 
 The model. One stream of page accesses, each request's lookup in order, feeds a reuse-distance histogram (Mattson's
 stack algorithm: a page is a hit in an LRU cache of ``C`` pages iff fewer than ``C`` distinct pages were used since
@@ -49,12 +53,15 @@ one very popular page would otherwise overstate every hit ratio).
 Each tier is modelled by its policy over that one stream, at every factor ``x`` of its capacity ``C`` today, the
 faster tiers' effective size today ``E`` unchanged: the device is an LRU of ``x * C`` (the radix tree evicts its
 least recently used leaves); an inclusive tier an LRU of ``max(x * C, E)`` (it holds what the faster ones hold). An
-exclusive tier - written when the faster ones evict, keeping its copy of a page they load back, as SGLang's and the
-reference cache's ``write_back`` host does - holds less than ``E + x * C`` distinct pages, by an amount the stack
-cannot tell: it is a miniature simulation of that policy (Waldspurger et al., ATC 2017) over the pages of a smaller,
-nested fixed-size sample (:data:`MAX_SIMULATED_KEYS`), whole radix nodes moving together. Checked by re-running the
-reference cache at each size (``tests/cache/test_capacity.py``: every prediction within 3 points, 1x within 2);
-the sampling error against an exact LRU and the memory bound by ``tests/core/test_capacity.py``.
+exclusive tier is written when the faster ones evict. One that reclaims its copy of a page they load back
+(``reclaims_copies=True``, SGLang's ``write_back`` host) holds, with them, ``E + x * C`` distinct pages, the least
+recently used leaving first: an LRU of ``E + x * C``, read from the same histogram. One that keeps that copy until the
+page leaves the faster tiers again (the reference cache's ``write_back`` host) holds less than ``E + x * C`` distinct
+pages, by an amount the stack cannot tell: it is a miniature simulation of that policy (Waldspurger et al., ATC 2017)
+over the pages of a smaller, nested fixed-size sample (:data:`MAX_SIMULATED_KEYS`), whole radix nodes moving together.
+Checked by re-running the engine at each size (``tests/cache/test_capacity.py`` for the reference cache,
+``tests/sglang/test_capacity.py`` for SGLang: every prediction within 3 points, 1x within 2); the sampling error
+against an exact LRU and the memory bound by ``tests/core/test_capacity.py``.
 
     >>> from otel_hicache.capacity import CapacityModel, TierCapacity
     >>> from otel_hicache.semconv import Tier
@@ -87,8 +94,8 @@ MAX_SAMPLED_KEYS = 8192
 #: What the estimator holds at most, every structure counted, whatever the traffic (``tests/core/test_capacity.py``
 #: measures it over 10 million unique pages) ...
 FOOTPRINT_BYTES = 2 * 1024 * 1024
-#: ... and what the simulations of one exclusive tier add (six sizes, up to :data:`MAX_SIMULATED_KEYS` pages each in
-#: ordered dicts: about 500 bytes a page).
+#: ... and what the simulations of one exclusive tier that keeps copies add (six sizes, up to
+#: :data:`MAX_SIMULATED_KEYS` pages each in ordered dicts: about 500 bytes a page).
 SIMULATION_BYTES = 6 * 1024 * 1024
 #: The sampling error against an exact LRU on streams with a known curve (a cyclic scan, a Zipf over pages), in
 #: points of hit ratio (SHARDS reports a mean error under 1 point at this sample size).
@@ -122,13 +129,20 @@ class Queue(Protocol):
 
 @dataclass(frozen=True)
 class TierCapacity:
-    """One tier as the model sees it: today's capacity in tokens (None: from the last pool reading of ``pool``) and
-    whether it holds what the faster tiers hold (``inclusive``) or what they evicted."""
+    """One tier as the model sees it: today's capacity in tokens (None: from the last pool reading of ``pool``),
+    whether it holds what the faster tiers hold (``inclusive``) or what they evicted, and for the latter whether it
+    drops its copy of a page they load back (``reclaims_copies``: one exclusive LRU with them) or keeps it."""
 
     tier: Tier
     tokens: int | None
     inclusive: bool = True
     pool: str = sc.DEFAULT_POOL
+    reclaims_copies: bool = False
+
+    @property
+    def simulated(self) -> bool:
+        """Modelled by a miniature simulation (an exclusive tier that keeps copies), not read from the histogram."""
+        return not self.inclusive and not self.reclaims_copies
 
 
 @dataclass(frozen=True)
@@ -150,6 +164,8 @@ def check_tiers(tiers: Iterable[TierCapacity]) -> tuple[TierCapacity, ...]:
             raise ValueError(f"capacity tiers: {row!r} is not a TierCapacity of a known tier")
         if row.tokens is not None and (type(row.tokens) is not int or row.tokens < 0):
             raise ValueError(f"capacity tiers: {row.tier.value}: tokens must be an int >= 0 or None")
+        if row.inclusive and row.reclaims_copies:
+            raise ValueError(f"capacity tiers: {row.tier.value}: reclaims_copies is for an exclusive tier")
         ranks.append(order.index(Tier(row.tier)))
     if ranks != sorted(set(ranks)):
         raise ValueError("capacity tiers: each tier once, fastest first (device, host, storage)")
@@ -327,21 +343,21 @@ class CapacityModel:
                     ratios[name] = ceiling
                     continue
                 size = math.floor(factor * pages)
-                sim = None if row.inclusive else self._sims.get((faster, size))
+                sim = self._sims.get((faster, size)) if row.simulated else None
                 if sim is not None:  # its own sample: never above the ceiling of the larger one
                     ratios[name] = min(self._share(sim.hits, sim.sampled), ceiling)
-                else:  # inclusive, or an exclusive tier not simulated yet (as if it held no copy of the faster's)
+                else:  # inclusive, one exclusive LRU, or a simulation not started yet (as if it held no copy)
                     ratios[name] = self.hit_ratio(max(size, faster) if row.inclusive else faster + size)
             out[Tier(row.tier).value] = TierCurve(tokens, ratios)
         return out
 
     def simulate(self, tiers: Sequence[TierCapacity], limits: Mapping[tuple[str, str], int] = {}) -> None:
-        """Keep a miniature simulation for every size of every exclusive tier the curve reports (new ones start
-        empty; those no longer needed go)."""
+        """Keep a miniature simulation for every size of every exclusive tier that keeps copies the curve reports (new
+        ones start empty; those no longer needed go)."""
         wanted = {
             (faster, math.floor(factor * tokens / self.page_tokens))
             for row, tokens, faster in _sizes(tiers, limits, self.page_tokens)
-            if not row.inclusive
+            if row.simulated
             for factor in sc.CAPACITY_FACTOR_VALUES.values()
             if not math.isinf(factor)
         }
@@ -391,7 +407,7 @@ def _edges(index: int) -> tuple[float, float]:
 class _WriteBack:
     """A miniature simulation (Waldspurger et al., ATC 2017: the real policy on the sampled pages, sizes scaled by
     the sampling rate) of a tier that takes what the faster ones evict and keeps its copy of a page they load back
-    until the page leaves them again, SGLang's and the reference cache's ``write_back`` host: its copies of pages the
+    until the page leaves them again, the reference cache's ``write_back`` host: its copies of pages the
     faster tiers hold cannot be evicted and take room, so it holds fewer than ``faster + pages`` distinct pages.
 
     Like a radix tree it moves whole nodes: the pages one request inserted together, split where a later lookup

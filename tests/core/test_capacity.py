@@ -116,6 +116,11 @@ class TestTheModel:
         # exclusive: 6 + x * 6 >= 12 from 1x on
         exclusive = hits([device, TierCapacity(Tier.HOST, 6 * PAGE, inclusive=False)])
         assert exclusive["host"] == dict.fromkeys(sc.CAPACITY_FACTORS, reuse) | {"0.25": 0, "0.5": 0}
+        # one exclusive LRU with the device (reclaims_copies): the same 6 + x * 6, read from the histogram, never from
+        # a simulation (one started now would have served nothing)
+        one_lru = [device, TierCapacity(Tier.HOST, 6 * PAGE, inclusive=False, reclaims_copies=True)]
+        model.simulate(one_lru)
+        assert hits(one_lru)["host"] == exclusive["host"]
         # storage behind an exclusive host: max(x * 8, 6 + 6) >= 12 at every factor
         three = hits([device, TierCapacity(Tier.HOST, 6 * PAGE, False), TierCapacity(Tier.STORAGE, 8 * PAGE)])
         assert three["storage"] == dict.fromkeys(sc.CAPACITY_FACTORS, reuse)
@@ -134,6 +139,7 @@ class TestTheModel:
             [TierCapacity(Tier.DEVICE, 8), TierCapacity(Tier.DEVICE, 8)],
             [TierCapacity(Tier.DEVICE, -1)],
             [TierCapacity(Tier.DEVICE, 1.5)],  # type: ignore[arg-type]
+            [TierCapacity(Tier.DEVICE, 8), TierCapacity(Tier.HOST, 8, reclaims_copies=True)],  # inclusive: no copies
             [("device", 8)],
         ],
     )

@@ -81,21 +81,13 @@ def predictions(otel: Sdk) -> dict[tuple[str, str], float]:
     return {(dict(key)[sc.ATTR_TIER], dict(key)[sc.ATTR_CAPACITY_FACTOR]): point.value for key, point in points.items()}
 
 
-#: SGLang 0.5.23's write-back host reclaims its copies of pages the device holds again (``_update_duplicate_tracking``
-#: in its tree core) before anything else: a plain exclusive LRU of device + host pages, which the estimator's
-#: write-back simulation (copies kept until the device evicts the page again) overstates by 3 to 11 points here.
-WRITE_BACK_GAP = pytest.mark.xfail(
-    strict=True, reason="the estimator's write-back model keeps a loaded-back page's host copy; SGLang reclaims it"
-)
-
-
 @pytest.mark.parametrize(
     ("workload", "policy"),
     [
         ("chats", "write_through"),
         ("documents", "write_through"),
         ("scan", "write_through"),
-        pytest.param("documents", "write_back", marks=WRITE_BACK_GAP),
+        ("documents", "write_back"),
     ],
 )
 def test_each_prediction_is_what_rerunning_sglang_at_that_size_observes(

@@ -16,7 +16,8 @@ What the model assumes of SGLang (``docs/sglang.md``):
   its extensions as a radix node outlives its children;
 * the host tier, of the host KV pool's size (its ``hicache.pool.limit``, read at each collection), holds what the device
   holds under the write-through policies (``write_through``, ``write_through_selective``: inclusive) and what the
-  device evicted under ``write_back`` (exclusive);
+  device evicted under ``write_back`` (exclusive, ``reclaims_copies``: SGLang frees the host copy of a page the device
+  holds again, ``_update_duplicate_tracking`` in its tree core, so device and host are one LRU of their summed size);
 * the storage tier (L3) is not modelled;
 * one SGLang page is one model page; a prompt's last page counts as a possible hit (SGLang recomputes a prompt's
   last token: off by one page for a prompt repeated exactly).
@@ -73,9 +74,10 @@ class CapacityHooks(EngineHooks):
             controller = getattr(cache, "cache_controller", None)
             if telemetry is None or controller is None or (ranks is not None and not ranks().token_metrics):
                 return None
+            write_back = controller.write_policy == _WRITE_BACK
             tiers = (
                 TierCapacity(Tier.DEVICE, int(adder.token_to_kv_pool_allocator.size)),
-                TierCapacity(Tier.HOST, None, inclusive=controller.write_policy != _WRITE_BACK),
+                TierCapacity(Tier.HOST, None, inclusive=not write_back, reclaims_copies=write_back),
             )
             page = int(cache.page_size)
             self._feed = telemetry.capacity_feed(page, tiers, keys=lambda req: request_keys(req, page))
