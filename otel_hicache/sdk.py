@@ -51,20 +51,19 @@ from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, SERVICE_NAMESPACE, Resource
 
+from otel_hicache._internal.emit.exporters import in_process
 from otel_hicache._internal.emit.providers import (
     DEFAULT_SERVICE_NAME,
     MetricsSide,
     RecentSpans,
     TracesSide,
-    bounded,
     build,
     build_resource,
-    in_process,
     metrics_side,
-    shutdown_provider,
     traces_side,
     views,
 )
+from otel_hicache._internal.emit.shutdown import bounded, shutdown_provider
 from otel_hicache._internal.export.handle import ExportProcess
 from otel_hicache._internal.shared.plan import ExportPlan
 from otel_hicache.config import (

@@ -2,32 +2,18 @@
 
 ``configure()`` (:mod:`otel_hicache.sdk`) builds this process's providers with :func:`build`, and the export process
 (:mod:`otel_hicache._internal.export.main`) builds its providers for the host's spans and metrics with the same call:
-same Views, Resource rules, sampler, span limits, exemplar filter and exporters.
-
-Exporters are chosen the SDK's way (``opentelemetry.sdk._configuration``): each name in ``OTEL_TRACES_EXPORTER`` /
-``OTEL_METRICS_EXPORTER`` is an entry point of the group ``opentelemetry_traces_exporter`` /
-``opentelemetry_metrics_exporter`` (``otlp`` is ``otlp_proto_grpc`` or ``otlp_proto_http``, by the signal's protocol);
-a metrics entry point may be a push exporter (read by a periodic reader) or a reader itself. :data:`EXPORTERS` holds
-the arguments of those built from the checked settings (``configure(env=...)``, never the process environment) and says
-which must run in this process; any other installed exporter is built with no arguments (it reads its own variables),
-as ``opentelemetry-instrument`` builds it, and runs where OTLP runs. Adding an exporter is installing its entry point,
-plus one entry in :data:`EXPORTERS` when it takes settings or writes to this process. ``prometheus`` is the scrape
-endpoint ``configure()`` serves itself (:attr:`~otel_hicache.config.Settings.prometheus_port`).
+same Views, Resource rules, sampler, span limits, exemplar filter and exporters. Each exporter (or metric reader) a
+name of ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` means comes from one call of :mod:`.exporters`; what a
+build that fails half-way had started is stopped, bounded, by :mod:`.shutdown`.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import socket
-import sys
-import threading
-import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from importlib.metadata import entry_points
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from opentelemetry import metrics
@@ -38,7 +24,7 @@ from opentelemetry.sdk.metrics import (
     TraceBasedExemplarFilter,
 )
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricReader, PeriodicExportingMetricReader
-from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.metrics.view import View
 from opentelemetry.sdk.resources import (
     SERVICE_INSTANCE_ID,
     SERVICE_NAME,
@@ -53,6 +39,8 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.version import __version__ as sdk_version
 
 from otel_hicache import semconv as sc
+from otel_hicache._internal.emit.exporters import PROMETHEUS, exporter, prometheus_reader
+from otel_hicache._internal.emit.shutdown import bounded
 from otel_hicache.config import (
     DEFAULT_CARDINALITY_LIMIT,
     EMBEDDED,
@@ -61,12 +49,10 @@ from otel_hicache.config import (
     TRACES_GROUP,
     ConfigError,
     Settings,
-    SignalSettings,
     key_values,
 )
 
 DEFAULT_SERVICE_NAME = "otel-hicache"
-_log = logging.getLogger(__name__)
 
 
 class RecentSpans(SpanExporter):
@@ -153,159 +139,6 @@ def build_resource(
     return Resource(merged)
 
 
-# ---------------------------------------------------------------------- exporters
-class ExporterKind(NamedTuple):
-    """How :func:`build` makes one exporter an entry point names: ``arguments(settings, meter_provider)`` are the
-    keyword arguments of the entry point's class (the SDK's ``exporter_args_map``); ``in_process``: it writes to this
-    process (its standard output), so a setup that uses it exports in-process, never from the export process."""
-
-    arguments: Callable[[Settings, metrics.MeterProvider], dict[str, Any]]
-    in_process: bool = False
-
-
-def _stdout(settings: Settings, meter_provider: metrics.MeterProvider) -> dict[str, Any]:
-    return {"out": sys.stdout}  # this process's stdout now (the exporters' default is the one at their import)
-
-
-#: Exporters built from the settings, by (entry-point group, name). Any other entry point: no arguments, not in-process.
-EXPORTERS: dict[tuple[str, str], ExporterKind] = {
-    (TRACES_GROUP, "otlp_proto_grpc"): ExporterKind(
-        lambda s, meter_provider: {**_grpc_options(s.traces, s, "traces"), "meter_provider": meter_provider}
-    ),
-    (TRACES_GROUP, "otlp_proto_http"): ExporterKind(
-        lambda s, meter_provider: {**_http_options(s.traces, "traces"), "meter_provider": meter_provider}
-    ),
-    (TRACES_GROUP, "console"): ExporterKind(_stdout, in_process=True),
-    (METRICS_GROUP, "otlp_proto_grpc"): ExporterKind(
-        lambda s, _: {**_grpc_options(s.metrics, s, "metrics"), **_metric_preferences(s)}
-    ),
-    (METRICS_GROUP, "otlp_proto_http"): ExporterKind(
-        lambda s, _: {**_http_options(s.metrics, "metrics"), **_metric_preferences(s)}
-    ),
-    (METRICS_GROUP, "console"): ExporterKind(_stdout, in_process=True),
-}
-_OTLP_BY_PROTOCOL = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
-_PROMETHEUS = "prometheus"  # the scrape endpoint configure() serves itself, on Settings.prometheus_port
-
-
-def entry_point_name(name: str, signal: SignalSettings) -> str:
-    """The entry point an exporter name means: ``otlp`` is the OTLP exporter of the signal's protocol."""
-    return _OTLP_BY_PROTOCOL[signal.protocol] if name == "otlp" else name
-
-
-def in_process(settings: Settings) -> bool:
-    """Whether some exporter of ``settings`` must run in this process (the embedded store, a scrape endpoint, an
-    exporter writing to standard output): then the telemetry exports in-process, else from its export process."""
-    if settings.prometheus_port is not None:
-        return True
-    for group, names, signal in _signals(settings):
-        for name in names:
-            if name == EMBEDDED or EXPORTERS.get((group, entry_point_name(name, signal)), _PLAIN).in_process:
-                return True
-    return False
-
-
-def _signals(settings: Settings) -> tuple[tuple[str, tuple[str, ...], SignalSettings], ...]:
-    return (
-        (TRACES_GROUP, settings.traces_exporters, settings.traces),
-        (METRICS_GROUP, settings.metrics_exporters, settings.metrics),
-    )
-
-
-def _plain(settings: Settings, meter_provider: metrics.MeterProvider) -> dict[str, Any]:
-    return {}
-
-
-_PLAIN = ExporterKind(_plain)
-
-
-def _exporter(group: str, name: str, signal: SignalSettings, settings: Settings, meter_provider: Any) -> Any:
-    """The exporter (or, for metrics, possibly a reader) the entry point ``name`` of ``group`` makes."""
-    point = entry_point_name(name, signal)
-    found = list(entry_points(group=group, name=point))
-    if not found:  # config.validate() checked the name; the distribution went away since
-        raise ConfigError(f"no {group} entry point named {point!r} is installed")
-    try:
-        factory = found[0].load()
-    except Exception as exc:
-        raise ConfigError(f"the {point} exporter ({group}) cannot be loaded: {exc!r}") from None
-    return factory(**EXPORTERS.get((group, point), _PLAIN).arguments(settings, meter_provider))
-
-
-def _default_endpoint(signal: SignalSettings, name: str) -> str:
-    if signal.endpoint is not None:
-        return signal.endpoint
-    return "http://localhost:4317" if signal.protocol == "grpc" else f"http://localhost:4318/v1/{name}"
-
-
-def _grpc_options(signal: SignalSettings, settings: Settings, name: str) -> dict[str, Any]:
-    import grpc
-
-    endpoint = _default_endpoint(signal, name)
-    scheme = endpoint.partition(":")[0]
-    insecure = False if scheme == "https" else signal.insecure if signal.insecure is not None else scheme == "http"
-    credentials = None
-    if not insecure:
-        credentials = grpc.ssl_channel_credentials(
-            _read(signal.certificate), _read(signal.client_key), _read(signal.client_certificate)
-        )
-    codes = None
-    if settings.retryable_error_codes is not None:
-        codes = [grpc.StatusCode[code] for code in settings.retryable_error_codes]
-    return {
-        "endpoint": endpoint,
-        "insecure": insecure,
-        "credentials": credentials,
-        "headers": dict(signal.headers) or None,
-        "timeout": 10.0 if signal.timeout_s is None else signal.timeout_s,
-        "compression": grpc.Compression.Gzip if signal.compression == "gzip" else grpc.Compression.NoCompression,
-        "retryable_error_codes": codes,
-    }
-
-
-def _http_options(signal: SignalSettings, name: str) -> dict[str, Any]:
-    from opentelemetry.exporter.otlp.proto.http import Compression
-
-    verify: Any = signal.certificate if signal.certificate is not None else True
-    return {
-        "endpoint": _default_endpoint(signal, name),
-        "certificate_file": verify,
-        "client_key_file": signal.client_key,
-        "client_certificate_file": signal.client_certificate,
-        "headers": dict(signal.headers) or None,
-        "timeout": 10.0 if signal.timeout_s is None else signal.timeout_s,
-        "compression": Compression(signal.compression or "none"),
-    }
-
-
-def _read(path: str | None) -> bytes | None:
-    return None if path is None else Path(path).read_bytes()
-
-
-def _metric_preferences(settings: Settings) -> dict[str, Any]:
-    """Temporality and histogram aggregation as ``OTEL_EXPORTER_OTLP_METRICS_*`` of ``env`` say (the SDK's table)."""
-    from opentelemetry.sdk.metrics import (
-        Counter,
-        Histogram,
-        ObservableCounter,
-        ObservableGauge,
-        ObservableUpDownCounter,
-        UpDownCounter,
-    )
-    from opentelemetry.sdk.metrics.export import AggregationTemporality
-    from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
-
-    preference = settings.temporality_preference or "cumulative"
-    delta = {"delta": {Counter, Histogram, ObservableCounter}, "lowmemory": {Counter, Histogram}}.get(preference, set())
-    classes = (Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter, ObservableGauge)
-    temporality = {
-        cls: AggregationTemporality.DELTA if cls in delta else AggregationTemporality.CUMULATIVE for cls in classes
-    }
-    exponential = settings.histogram_aggregation == "base2_exponential_bucket_histogram"
-    aggregation = ExponentialBucketHistogramAggregation() if exponential else ExplicitBucketHistogramAggregation()
-    return {"preferred_temporality": temporality, "preferred_aggregation": {Histogram: aggregation}}
-
-
 def _sampler(settings: Settings) -> sampling.Sampler:
     rate = 1.0 if settings.sampler_arg is None else settings.sampler_arg
     return {
@@ -375,7 +208,7 @@ def metrics_side(settings: Settings, resource: Resource, prometheus_port: int | 
     readers: list[MetricReader] = []
     address = None
     if prometheus_port is not None:
-        address, reader, stop = _prometheus_reader(settings.prometheus_host, prometheus_port)
+        address, reader, stop = prometheus_reader(settings.prometheus_host, prometheus_port)
         readers.append(reader)
         closers.append(stop)
     try:
@@ -385,8 +218,8 @@ def metrics_side(settings: Settings, resource: Resource, prometheus_port: int | 
             if name == EMBEDDED:
                 memory_reader = InMemoryMetricReader()
                 readers.append(memory_reader)
-            elif name not in (NONE, _PROMETHEUS):
-                made = _exporter(METRICS_GROUP, name, settings.metrics, settings, None)
+            elif name not in (NONE, PROMETHEUS):
+                made = exporter(METRICS_GROUP, name, settings.metrics, settings, None)
                 readers.append(
                     made if isinstance(made, MetricReader) else PeriodicExportingMetricReader(made, interval, timeout)
                 )
@@ -435,7 +268,7 @@ def traces_side(
             recent = RecentSpans()
             tracer_provider.add_span_processor(SimpleSpanProcessor(recent))
             continue
-        span_exporter = _exporter(TRACES_GROUP, name, settings.traces, settings, meter_provider)
+        span_exporter = exporter(TRACES_GROUP, name, settings.traces, settings, meter_provider)
         if collect is None:
             tracer_provider.add_span_processor(
                 BatchSpanProcessor(span_exporter, **batching, meter_provider=meter_provider)
@@ -445,57 +278,3 @@ def traces_side(
     if collect is not None and handed_back:
         tracer_provider.add_span_processor(collect)
     return TracesSide(tracer_provider, recent, handed_back)
-
-
-def shutdown_provider(provider: Any, timeout_s: float) -> None:
-    try:
-        provider.shutdown(timeout_millis=int(timeout_s * 1000))
-    except TypeError:  # TracerProvider.shutdown() takes no timeout: bounded() cuts it off
-        provider.shutdown()
-
-
-def bounded(jobs: Sequence[Any], timeout_s: float) -> bool:
-    """Run ``jobs`` concurrently on daemon threads and wait at most ``timeout_s`` for all of them. A job that
-    outlives the budget (an exporter retrying a dead collector) is abandoned; the caller goes on. A job no thread can
-    be started for (the process is at its thread limit) is skipped, with one log line: never run here unbounded."""
-    threads = []
-    for job in jobs:
-        thread = threading.Thread(target=_quietly, args=(job,), daemon=True, name="otel-hicache-close")
-        try:
-            thread.start()
-        except RuntimeError as exc:  # can't start new thread
-            _log.warning("otel_hicache: a shutdown step was skipped: %s", exc)
-            continue
-        threads.append(thread)
-    deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return len(threads) == len(jobs) and not any(thread.is_alive() for thread in threads)
-
-
-def _quietly(job: Any) -> None:
-    try:
-        job()
-    except Exception:
-        _log.debug("otel_hicache: a shutdown step failed", exc_info=True)
-
-
-def _prometheus_reader(host: str, port: int) -> tuple[tuple[str, int], MetricReader, Any]:
-    """A Prometheus exporter reader and an HTTP server for it (port 0 picks a free one)."""
-    from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from prometheus_client import CollectorRegistry, start_http_server
-
-    # A registry of our own, so servers do not mix; the reader (un)registers itself there.
-    registry = CollectorRegistry()
-    reader = PrometheusMetricReader(registry=registry)
-    try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:
-        raise ConfigError(f"cannot serve Prometheus metrics on {host}:{port}: {exc.strerror or exc}") from None
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
-
-    return (host, server.server_port), reader, stop

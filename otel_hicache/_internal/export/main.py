@@ -12,7 +12,7 @@ until it returns - within the span exporter's timeout (``OTEL_EXPORTER_OTLP_TRAC
 bound of every OTLP export. A span whose export fails is counted in ``otel_hicache.records.dropped``; a replacement for
 a dead exporter sends again what its predecessor had not settled, under the same span and trace ids (an OTLP retry).
 Everything is exported under the host's Resource, with the providers :mod:`otel_hicache._internal.emit.providers`
-builds for ``configure()`` too.
+builds for ``configure()`` too (and their exporters, from :mod:`otel_hicache._internal.emit.exporters`).
 """
 
 from __future__ import annotations
