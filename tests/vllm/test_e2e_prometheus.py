@@ -4,8 +4,9 @@ data for it with the labels they rely on, as for SGLang and the demo (tests/pipe
 
 The process drives vLLM's connector without vLLM's scheduler and model (tests.vllm.offload_app), so it reports
 transfers, failures, the CPU tier's occupancy and evictions, but no prefill, no request's KV wait and no capacity curve
-(all three come from the scheduler's admissions: tests/vllm/test_capacity.py has the curve from a real engine), serves none of vLLM's own series (its prefill timing), and vLLM reports no drops: the panels and rules
-built only on those are listed here and return no data for it.
+(all three come from the scheduler's admissions: tests/vllm/test_capacity.py has the curve from a real engine), serves
+none of vLLM's own series (its prefill timing), and vLLM reports no drops: the panels and rules built only on those
+are listed here and return no data for it.
 """
 
 from __future__ import annotations
