@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+from tests.vllm.engine import needs_cpu_build
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), needs_cpu_build]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,9 +21,9 @@ from otel_hicache import semconv as sc
 from otel_hicache.testing.otlp_receiver import OtlpReceiver
 from otel_hicache.testing.vllm import BLOCK_TOKENS, environment
 from tests.vllm.capacity_app import results
-from tests.vllm.engine import Exported, otlp_environment, run_offline
+from tests.vllm.engine import Exported, needs_cpu_build, otlp_environment, run_offline
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2700)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2700), needs_cpu_build]
 
 SERVICE = "vllm-capacity"
 REQUESTS = 400
