@@ -71,13 +71,22 @@ from otel_hicache.integrations._patching import (
     end_bypass,
     guarded,
 )
-from otel_hicache.integrations._sink import MAX_PENDING, EngineHooks, ProcessSink, Ranks, WeakPoolSource, trim
+from otel_hicache.integrations._sink import (
+    MAX_PENDING,
+    AdmissionHooks,
+    EngineHooks,
+    ProcessSink,
+    Ranks,
+    WeakPoolSource,
+    trim,
+)
 from otel_hicache.telemetry import HiCacheTelemetry
 
 __all__ = [
     "ADAPTER_LAYOUT",
     "MAX_PENDING",
     "ONCE",
+    "AdmissionHooks",
     "EngineHooks",
     "EngineInstrumentor",
     "ProcessSink",

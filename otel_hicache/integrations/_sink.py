@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import threading
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 from opentelemetry import metrics, trace
 
 from otel_hicache import semconv as sc
+from otel_hicache.capacity import CapacityFeed
 from otel_hicache.integrations._once import warn_once
 from otel_hicache.records import PoolUsage
 from otel_hicache.telemetry import HiCacheTelemetry
@@ -147,6 +149,42 @@ class EngineHooks:
         process reports nothing."""
         ranks = self._ranks
         return self.sink.get(None if ranks is None else lambda: ranks(*at))
+
+
+class AdmissionHooks(EngineHooks, ABC):
+    """Base of an engine's admission wrapper feeding the process's capacity estimator: the feed is made once, at
+    the first admission (:meth:`_feed_for`, under a lock; None: this process feeds nothing), and each admitted
+    request is handed over as what :meth:`_payload` returns (a reference and its prompt length; None: left out)."""
+
+    def __init__(self, sink: ProcessSink, ranks: Callable[..., Ranks] | None = None) -> None:
+        super().__init__(sink, ranks)
+        self._feed: CapacityFeed | None = None
+        self._started = False
+        self._lock = threading.Lock()
+
+    def admitted(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        feed = self._feed if self._started else self._start(instance)
+        if feed is not None:
+            payload = self._payload(args, kwargs)
+            if payload is not None:
+                feed.put((next(feed.seq), *payload))
+        return result
+
+    def _start(self, instance: Any) -> CapacityFeed | None:
+        with self._lock:
+            if not self._started:
+                self._started = True
+                self._feed = self._feed_for(instance)
+            return self._feed
+
+    @abstractmethod
+    def _feed_for(self, instance: Any) -> CapacityFeed | None:
+        """The process's feed over the engine's cache ``instance`` (the wrapped method's object), or None."""
+
+    @abstractmethod
+    def _payload(self, args: tuple, kwargs: dict) -> tuple[Any, int] | None:
+        """What the estimator's host thread reads of one admitted request, and its prompt length; None: left out."""
 
 
 def _unset(provider: Any) -> bool:

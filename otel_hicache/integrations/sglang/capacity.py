@@ -28,12 +28,11 @@ Like every token-counted instrument, the curve is reported by one rank of each a
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity, page_keys
-from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, Target
+from otel_hicache.integrations._base import AdmissionHooks, Target
 from otel_hicache.semconv import Tier
 
 #: The admission the estimator is fed from (wrapped by :meth:`CapacityHooks.admitted`).
@@ -41,47 +40,30 @@ CAPACITY_TARGET = Target("sglang.srt.managers.schedule_policy", "PrefillAdder", 
 _WRITE_BACK = "write_back"
 
 
-class CapacityHooks(EngineHooks):
-    """The wrapper of SGLang's prefill admission feeding the process's capacity estimator (one per process: one
-    scheduler, one tree)."""
+class CapacityHooks(AdmissionHooks):
+    """The wrapper of SGLang's prefill admission (``PrefillAdder._commit_prefill_admission(req, ...)``) feeding the
+    process's capacity estimator (one per process: one scheduler, one tree)."""
 
-    def __init__(self, sink: ProcessSink, ranks: Callable[[], Ranks] | None = None) -> None:
-        super().__init__(sink, ranks)
-        self._feed: CapacityFeed | None = None
-        self._started = False
-        self._lock = threading.Lock()
+    def _payload(self, args: tuple, kwargs: dict) -> tuple[Any, int] | None:
+        req = args[0] if args else kwargs["req"]
+        return None if req.retracted_stain else (req, len(req.origin_input_ids))
 
-    def admitted(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``PrefillAdder._commit_prefill_admission(req, ...)``: hand ``req`` to the estimator."""
-        result = wrapped(*args, **kwargs)
-        feed = self._feed if self._started else self._start(instance)
-        if feed is not None:
-            req = args[0] if args else kwargs["req"]
-            if not req.retracted_stain:
-                feed.put((next(feed.seq), req, len(req.origin_input_ids)))
-        return result
-
-    def _start(self, adder: Any) -> CapacityFeed | None:
+    def _feed_for(self, adder: Any) -> CapacityFeed | None:
         """At the first admission: the estimator over this scheduler's tree, its tiers read from SGLang's pools;
         none where the process reports no tokens or the tree has no HiCache."""
-        with self._lock:
-            if self._started:
-                return self._feed
-            self._started = True
-            ranks = self._ranks
-            telemetry = self._sink()
-            cache = adder.tree_cache
-            controller = getattr(cache, "cache_controller", None)
-            if telemetry is None or controller is None or (ranks is not None and not ranks().token_metrics):
-                return None
-            write_back = controller.write_policy == _WRITE_BACK
-            tiers = (
-                TierCapacity(Tier.DEVICE, int(adder.token_to_kv_pool_allocator.size)),
-                TierCapacity(Tier.HOST, None, inclusive=not write_back, reclaims_copies=write_back),
-            )
-            page = int(cache.page_size)
-            self._feed = telemetry.capacity_feed(page, tiers, keys=lambda req: request_keys(req, page))
-            return self._feed
+        ranks = self._ranks
+        telemetry = self._sink()
+        cache = adder.tree_cache
+        controller = getattr(cache, "cache_controller", None)
+        if telemetry is None or controller is None or (ranks is not None and not ranks().token_metrics):
+            return None
+        write_back = controller.write_policy == _WRITE_BACK
+        tiers = (
+            TierCapacity(Tier.DEVICE, int(adder.token_to_kv_pool_allocator.size)),
+            TierCapacity(Tier.HOST, None, inclusive=not write_back, reclaims_copies=write_back),
+        )
+        page = int(cache.page_size)
+        return telemetry.capacity_feed(page, tiers, keys=lambda req: request_keys(req, page))
 
 
 def request_keys(req: Any, page_tokens: int) -> list[Hashable]:

@@ -23,12 +23,10 @@ What the model assumes of vLLM (``docs/vllm.md``):
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity
-from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, Target
+from otel_hicache.integrations._base import AdmissionHooks, Target
 from otel_hicache.semconv import Tier
 
 #: The admission the estimator is fed from (wrapped by :meth:`CapacityHooks.admitted`).
@@ -37,40 +35,24 @@ CAPACITY_TARGET = Target(
 )
 
 
-class CapacityHooks(EngineHooks):
-    """The wrapper of vLLM's prefix-cache admission feeding the engine core's capacity estimator."""
+class CapacityHooks(AdmissionHooks):
+    """The wrapper of vLLM's prefix-cache admission (``KVCacheManager.record_prefix_cache_stats(request,
+    num_hits)``) feeding the engine core's capacity estimator: the request's block hashes are handed over."""
 
-    def __init__(self, sink: ProcessSink, ranks: Callable[[Any], Ranks]) -> None:
-        super().__init__(sink, ranks)
-        self._feed: CapacityFeed | None = None
-        self._started = False
-        self._lock = threading.Lock()
+    def _payload(self, args: tuple, kwargs: dict) -> tuple[Any, int] | None:
+        request = args[0] if args else kwargs["request"]
+        return None if request.num_preemptions else (request.block_hashes, request.num_prompt_tokens)
 
-    def admitted(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``KVCacheManager.record_prefix_cache_stats(request, num_hits)``: hand the request's block hashes over."""
-        result = wrapped(*args, **kwargs)
-        feed = self._feed if self._started else self._start(instance)
-        if feed is not None:
-            request = args[0] if args else kwargs["request"]
-            if not request.num_preemptions:
-                feed.put((next(feed.seq), request.block_hashes, request.num_prompt_tokens))
-        return result
-
-    def _start(self, manager: Any) -> CapacityFeed | None:
+    def _feed_for(self, manager: Any) -> CapacityFeed | None:
         """At the first admission: the estimator over this scheduler's KV cache; none where the cache does not keep
         prefixes or has several KV cache groups."""
-        with self._lock:
-            if self._started:
-                return self._feed
-            self._started = True
-            groups = manager.kv_cache_config.kv_cache_groups
-            telemetry = self._sink(None)
-            if telemetry is None or not manager.enable_caching or len(groups) != 1:
-                return None
-            block_tokens = int(groups[0].kv_cache_spec.block_size)
-            tiers = (
-                TierCapacity(Tier.DEVICE, (int(manager.block_pool.num_gpu_blocks) - 1) * block_tokens),
-                TierCapacity(Tier.HOST, None),  # the CPU tier's reading, where there is one
-            )
-            self._feed = telemetry.capacity_feed(block_tokens, tiers)
-            return self._feed
+        groups = manager.kv_cache_config.kv_cache_groups
+        telemetry = self._sink(None)
+        if telemetry is None or not manager.enable_caching or len(groups) != 1:
+            return None
+        block_tokens = int(groups[0].kv_cache_spec.block_size)
+        tiers = (
+            TierCapacity(Tier.DEVICE, (int(manager.block_pool.num_gpu_blocks) - 1) * block_tokens),
+            TierCapacity(Tier.HOST, None),  # the CPU tier's reading, where there is one
+        )
+        return telemetry.capacity_feed(block_tokens, tiers)
