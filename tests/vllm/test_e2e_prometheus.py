@@ -31,7 +31,7 @@ from tests.pipeline.test_e2e_prometheus import (
     panel_targets,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
+pytestmark = [pytest.mark.vllm, pytest.mark.prometheus, pytest.mark.timeout(600)]  # the fixture waits up to 400 s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: What this process cannot feed: per-tier prefill hits, KV waits and the capacity curve (no scheduler admits requests),
@@ -63,7 +63,7 @@ NOT_FROM_VLLM_RULES = {
 
 @pytest.fixture(scope="module")
 def live_vllm(prometheus: Prometheus) -> Iterator[Prometheus]:
-    """tests.vllm.offload_app offloading for up to 180 s, its metrics on the port Prometheus scrapes (vLLM 0.33's
+    """tests.vllm.offload_app offloading for up to 420 s, its metrics on the port Prometheus scrapes (vLLM 0.33's
     CUDA wheel alone takes ~40 s to import on a busy 2-core machine)."""
     with OtlpReceiver() as receiver:
         env = {
@@ -79,7 +79,7 @@ def live_vllm(prometheus: Prometheus) -> Iterator[Prometheus]:
             "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "true",
         }
         process = subprocess.Popen(
-            [sys.executable, "-m", "tests.vllm.offload_app", "--seconds", "180"],
+            [sys.executable, "-m", "tests.vllm.offload_app", "--seconds", "420"],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -87,7 +87,7 @@ def live_vllm(prometheus: Prometheus) -> Iterator[Prometheus]:
             text=True,
         )
         try:
-            prometheus.wait_for_data(VLLM_READY, process, "the vLLM app", timeout_s=170)
+            prometheus.wait_for_data(VLLM_READY, process, "the vLLM app", timeout_s=400)
             yield prometheus
         finally:
             process.send_signal(signal.SIGINT)
