@@ -191,8 +191,8 @@ EXPORT = textwrap.dedent(
         "OTEL_METRIC_EXPORT_INTERVAL": "100",
     })
     setup.telemetry.record_transfer(TransferRecord(TransferOperation.BACKUP, {"kv": 4}, 256, 10, 20))
-    setup.force_flush(3.0)
-    setup.shutdown(3.0)
+    setup.force_flush(15.0)  # long enough for the failed export's line on a loaded machine; returns once sent
+    setup.shutdown(10.0)
     """
 )
 
