@@ -307,13 +307,18 @@ class HiCacheTelemetry:
         if not self._host.started:
             self._host.start()
 
-    def record_prefix_split(self, split: PrefixSplit, request_span: Span | None = None, *, other_hit: int = 0) -> None:
+    def record_prefix_split(
+        self, split: PrefixSplit, request_span: Span | None = None, *, other_hit: int = 0, counted: bool = False
+    ) -> None:
         """Count one admitted prefill by mode; put the split on ``request_span`` when given. ``other_hit``: tokens
-        hit in a way otel_hicache does not know (an engine's new counter), counted as mode ``other``. Never raises."""
+        hit in a way otel_hicache does not know (an engine's new counter), counted as mode ``other``. ``counted``:
+        the split is counted elsewhere (an engine that counts a batch's admissions at once): only put it on the span.
+        Never raises."""
         counts = self._tally.checked(RecordKind.PREFIX_SPLIT, validation.prefix_split, split, other_hit)
         if counts is None:
             return
-        self._tally.prefill(counts)
+        if not counted:
+            self._tally.prefill(counts)
         try:
             if request_span is not None and request_span.is_recording():
                 request_span.set_attributes({f"{sc.ATTR_PREFIX_TOKENS}.{m.value}": n for m, n in counts.items()})

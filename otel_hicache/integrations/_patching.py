@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any, NamedTuple, TypeVar
 
 import wrapt
-from opentelemetry.instrumentation.utils import is_instrumentation_enabled, unwrap
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_hicache.integrations._once import hook_failed, warn_once
 
@@ -110,8 +110,11 @@ class Patching:
             done, self._done = self._done, []
             self._pending.clear()
         for holder, attribute in reversed(done):
-            if _is_ours(vars(holder).get(attribute)):
-                unwrap(holder, attribute)
+            wrapper = vars(holder).get(attribute)
+            if _is_ours(wrapper):
+                # what the class held (OTel's unwrap reads the attribute through the class: a classmethod's would be
+                # put back bound to that class)
+                setattr(holder, attribute, wrapper.__wrapped__)
 
 
 def _findable(module: str) -> bool | None:
@@ -149,6 +152,8 @@ def _shape_problem(holder: Any, target: Target) -> str | None:
         return "missing"
     # another party's wrapt wrapper: the function it wraps (wrapping it again is fine)
     function = inspect.unwrap(attribute) if _is_proxy(attribute) else attribute
+    if target.owner and isinstance(function, classmethod):  # its parameters after ``cls``, as a method's after self
+        function = function.__func__
     if not inspect.isfunction(function):
         return f"a {type(attribute).__name__}, not a function"
     names = list(inspect.signature(function).parameters)[1 if target.owner else 0 :]

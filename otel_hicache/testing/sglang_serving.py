@@ -50,6 +50,7 @@ class Served:
         import torch
         from sglang.srt.managers.schedule_batch import FINISH_LENGTH
         from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+        from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
         from sglang.srt.mem_cache.allocation import alloc_token_slots
         from sglang.srt.mem_cache.common import release_kv_cache
 
@@ -61,6 +62,7 @@ class Served:
         added = adder.add_one_req(req, False, None)
         if added is not AddReqResult.CONTINUE:
             raise RuntimeError(f"SGLang did not admit a prompt of {len(tokens)} tokens: {added}")
+        PrefillStats.from_adder(adder, running_reqs=[])  # the batch's stats, as the scheduler builds them
         self.split = PrefixSplit(
             self.split.input_tokens + adder.log_input_tokens,
             self.split.device_hit + adder.log_device_hit_tokens,

@@ -119,6 +119,32 @@ def test_a_target_of_another_shape_is_left_unpatched_with_one_warning_naming_it(
     assert problem in warning and "toy_release.store" in warning and "left unpatched" in warning
 
 
+def test_a_classmethod_target_is_wrapped_by_its_parameters_after_cls_and_put_back_as_it_was(
+    release: Callable[[str], Any], sdk: Sdk, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = release(
+        "class Stats:\n"
+        "    @classmethod\n"
+        "    def from_store(cls, store, running=()):\n"
+        "        return (cls.__name__, store)\n"
+        "class Later(Stats):\n"
+        "    pass\n"
+    )
+    original = vars(store.Stats)["from_store"]
+    seen: Seen = []
+    instrumentor = adapter([Target("toy_release.store", "Stats", "from_store", ("store",))], seen)
+    with caplog.at_level(logging.WARNING):
+        instrumentor.instrument(telemetry=sdk.telemetry)
+    try:
+        # still bound to the class it is called on, a subclass included; the wrapper sees the arguments after cls
+        assert store.Stats.from_store(7) == ("Stats", 7) and store.Later.from_store(8) == ("Later", 8)
+        assert seen == [("from_store", (7,)), ("from_store", (8,))]
+    finally:
+        instrumentor.uninstrument()
+    assert vars(store.Stats)["from_store"] is original and store.Later.from_store(9) == ("Later", 9)
+    assert warnings_of(caplog) == []
+
+
 def test_a_target_module_this_release_lacks_is_warned_about_when_instrumenting(
     release: Callable[[str], Any], sdk: Sdk, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -195,6 +195,7 @@ def test_hits_under_a_prefill_counter_sglang_renamed_are_counted_as_other_every_
     cpu_sglang: None, host_hit_tokens_renamed: None, otel: Sdk, sglang_metrics: Any
 ) -> None:
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
@@ -215,6 +216,7 @@ def test_hits_under_a_prefill_counter_sglang_renamed_are_counted_as_other_every_
             req.init_next_round_input(cache)
             assert req.host_hit_length == len(prefix)
             assert adder.add_one_req(req, False, None) is AddReqResult.CONTINUE
+        PrefillStats.from_adder(adder, running_reqs=[])  # the batch's stats, as the scheduler builds them
         assert adder.log_l2_hit_tokens == 16 + 24 and adder.log_host_hit_tokens == 0
         prefill = otel.counters()[sc.METRIC_PREFILL_TOKENS]
     finally:

@@ -117,8 +117,10 @@ def _prefetch_on_arrival(cache: Any, req: Any) -> None:
 
 
 def _admit(cache: Any, allocator: Any, reqs: list[Any]) -> Any:
-    """``Scheduler._get_new_batch_prefill``'s admission loop for ``reqs``: prefetch gate, L3 span, match, add."""
+    """``Scheduler._get_new_batch_prefill``'s admission loop for ``reqs``: prefetch gate, L3 span, match, add; then
+    the batch's ``PrefillStats``, as the scheduler builds them (metrics on or off)."""
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
 
     adder = PrefillAdder(cache.page_size, cache, allocator, None, 1.0, 4096, None)
     for req in reqs:
@@ -128,13 +130,12 @@ def _admit(cache: Any, allocator: Any, reqs: list[Any]) -> Any:
             req.storage_hit_length, req.storage_hit_start, req.host_hit_is_storage = loaded, start, False
         req.init_next_round_input(cache)
         assert adder.add_one_req(req, False, None) is AddReqResult.CONTINUE
-    return adder
+    return PrefillStats.from_adder(adder, running_reqs=[])
 
 
 def test_prefill_tokens_per_mode_equal_sglang_effective_prefill_counter(
     instrumented: Sdk, file_storage: FileStorage, prometheus_collector: Any
 ) -> None:
-    from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.observability.metrics_collector import SchedulerMetricsCollector
     from sglang.srt.server_args import ServerArgs
@@ -161,14 +162,13 @@ def test_prefill_tokens_per_mode_equal_sglang_effective_prefill_counter(
     for req in reqs:
         _prefetch_on_arrival(cache, req)
     pump(cache, lambda: all(cache.check_prefetch_progress(r.cache_request_handle) for r in reqs), "prefetch")
-    adder = _admit(cache, allocator, reqs)
+    stats = _admit(cache, allocator, reqs)
     assert reqs[2].storage_hit_length == len(in_l3)
 
-    # SGLang's metrics reporter: PrefillStats from the adder, retracted re-counts taken out of the input.
+    # SGLang's metrics reporter: the batch's PrefillStats, retracted re-counts taken out of the input.
     scheduler_metrics = prometheus_collector(
         SchedulerMetricsCollector, labels=SCHEDULER_LABELS, server_args=ServerArgs(model_path="dummy")
     )
-    stats = PrefillStats.from_adder(adder, running_reqs=[])
     scheduler_metrics.increment_effective_prefill_tokens(
         input_tokens=stats.log_input_tokens - stats.reprocessed_log_input_tokens,
         device_hit_tokens=stats.log_device_hit_tokens,

@@ -43,6 +43,7 @@ def test_a_load_back_links_to_the_request_it_served_and_the_request_span_carries
     instrumented: Sdk, sglang_request_tracing: OtlpReceiver
 ) -> None:
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -65,6 +66,7 @@ def test_a_load_back_links_to_the_request_it_served_and_the_request_span_carries
     traced.time_stats.trace_ctx.trace_req_finish()
     untraced.init_next_round_input(cache)  # a request without tracing: nothing to link, nothing on a span
     assert adder.add_one_req(untraced, False, None) is AddReqResult.CONTINUE
+    PrefillStats.from_adder(adder, running_reqs=[])  # the batch's stats, as the scheduler builds them
     instrumented.telemetry.flush()
 
     (load_back,) = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.LOAD_BACK])

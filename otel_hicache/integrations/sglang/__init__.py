@@ -41,8 +41,9 @@ tokens``
 ``UnifiedTreeCore._evict_host_leaf``      reused = loaded back since its backup; a host copy never read back is
                                           ``hicache.wasted.size{operation="backup"}`` (its tokens x the host pool's
                                           bytes per token)
-``PrefillAdder._update_prefill_budget``,  ``hicache.prefill.tokens{mode}``: input (retracted re-counts excluded) and
-``_account_prefill_cache_admission``      device / host / storage hits, at admission
+``PrefillStats.from_adder`` (SGLang's     ``hicache.prefill.tokens{mode}``: input (retracted re-counts excluded) and
+stats of each prefill batch, built        device / host / storage hits, once per batch from the adder's counters
+metrics on or off)                        (SGLang's ``prefill_effective_tokens_total`` is built from the same)
 ``HiCacheController._page_backup_or_log`` ``hicache.storage_backup`` (L2 -> L3, storage thread, host-clock timed)
 ``UnifiedRadixCache._handle_prefetch_     ``hicache.storage_prefetch`` (L3 -> L2, from the prefetch's issue to its
 result``                                  result)
@@ -50,11 +51,11 @@ result``                                  result)
 ``req``)                                  request's load back until that load back is seen complete (upper bound, at
                                           scheduler-step resolution); with request tracing, also on its span
 ``UnifiedRadixCache.check_prefetch_       ``hicache.request.kv_wait{tier="storage"}``: from the prefetch's start until
-progress``                                SGLang's stop policy lets the request go, recorded at its admission
+progress``                                SGLang's stop policy lets the request go, recorded with its prefill batch
 ``load_back``, ``checkpoint_into_tree`` / with SGLang's request tracing on: the request's scheduler span, which the
 ``advance_unpublished_req``               ``hicache.load_back`` / ``hicache.backup`` spans of the transfers they start
-                                          link to; ``_account_prefill_cache_admission`` puts the prefix split (and the
-                                          KV waits, ``hicache.kv_wait.<tier>``) on it
+                                          link to; ``_commit_prefill_admission`` puts the request's own prefix split
+                                          on it (and the KV waits put ``hicache.kv_wait.<tier>``)
 ``UnifiedRadixCache.init_hicache``        ``hicache.pool.usage`` / ``.limit`` of the host KV pool, read at collection
 ``PrefillAdder._commit_prefill_           ``hicache.capacity.hit_ratio{tier, factor}``: each admitted request handed to
 admission``                               the capacity estimator, its page keys hashed on the telemetry's host thread
@@ -103,10 +104,11 @@ Cost on the scheduler thread: neither the submissions (after a controller's firs
 through a wrapper; each submitted ack costs a clock read, a suppression check and a dictionary entry as SGLang
 appends it, each consumed ack one entry put on its queue's :class:`~otel_hicache.telemetry.DeferredQueue`
 (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`), and the record is built and counted on the
-telemetry's host thread; a prefill admission's split is counted there too (with request tracing on, at once, onto the
-request's span). ``.venv-sglang/bin/python -m benchmarks sglang`` measures the whole per transfer (submission,
-consumption, admission) against SGLang's own prometheus metrics, for both ways ``writing_check`` is called (see
-docs/overhead.md).
+telemetry's host thread; a prefill batch's split is counted there too, once per batch from the counters SGLang's
+``PrefillStats`` reads. One wrapper runs per admitted request (``_commit_prefill_admission``: one entry put on the
+capacity estimator's queue; with request tracing on, the request's split put on its span).
+``.venv-sglang/bin/python -m benchmarks sglang`` measures the whole per transfer (submission, consumption, admission)
+against SGLang's own prometheus metrics, for both ways ``writing_check`` is called (see docs/overhead.md).
 
 Patching and failure rules (shared by every engine adapter, :mod:`otel_hicache.integrations._base`): ``instrument()``
 imports nothing of SGLang (nor torch); each SGLang module is patched when it is imported (at once if it already is). A

@@ -35,7 +35,8 @@ from otel_hicache.capacity import CapacityFeed, TierCapacity, page_keys
 from otel_hicache.integrations._base import AdmissionHooks, Target
 from otel_hicache.semconv import Tier
 
-#: The admission the estimator is fed from (wrapped by :meth:`CapacityHooks.admitted`).
+#: The admission the estimator is fed from (``HiCacheHooks.admission`` wraps it, through
+#: :meth:`CapacityHooks.admitted`).
 CAPACITY_TARGET = Target("sglang.srt.managers.schedule_policy", "PrefillAdder", "_commit_prefill_admission", ("req",))
 _WRITE_BACK = "write_back"
 

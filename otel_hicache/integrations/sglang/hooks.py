@@ -31,10 +31,12 @@ from otel_hicache.integrations._base import (
     warn_once,
 )
 from otel_hicache.integrations.sglang.ack_queues import LOAD, QUEUE, WRITE, AckQueue, AckReporter, Links
+from otel_hicache.integrations.sglang.capacity import CapacityHooks
 from otel_hicache.integrations.sglang.eviction import READ, AccessClock, Evictions, full_tokens, radix_node
 from otel_hicache.integrations.sglang.reading import (
     drop_arguments,
     host_pool_usage,
+    prefill_counts,
     prefill_delta,
     request_span,
     size_per_token,
@@ -42,9 +44,7 @@ from otel_hicache.integrations.sglang.reading import (
 from otel_hicache.integrations.sglang.self_check import SelfCheck
 from otel_hicache.records import DropRecord, EvictedEntry, EvictionRecord, KvWait, PrefixSplit, TransferRecord
 from otel_hicache.semconv import (
-    ATTR_PREFIX_TOKENS,
     DEFAULT_POOL,
-    PrefillMode,
     Tier,
     TimingSource,
     TransferOperation,
@@ -69,6 +69,7 @@ class HiCacheHooks(EngineHooks):
 
     def __init__(self, sink: ProcessSink, ranks: Callable[[], Ranks] | None = None) -> None:
         super().__init__(sink, ranks)
+        self._capacity = CapacityHooks(sink, ranks)  # the admission wrapper feeds the capacity estimator too
         # Per-controller request links live on the controller itself (one attribute read); the weak dictionary is
         # only the fallback for a controller that takes no new attributes.
         self._attr = f"_otel_hicache_links_{id(self):x}"
@@ -76,9 +77,7 @@ class HiCacheHooks(EngineHooks):
         # Every queue reporting to these hooks, by id (a list is unhashable).
         self._queues: weakref.WeakValueDictionary[int, AckQueue] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
-        # (id of the PrefillAdder, input tokens) of the last budget update: the admission that follows is its request's
-        self._budgeted = (0, 0)
-        self._prefill_queue: DeferredQueue | None = None  # admissions' prefill splits, counted on the host thread
+        self._prefill_queue: DeferredQueue | None = None  # prefill batches' splits, counted on the host thread
         # request id -> when its prefetch started, until SGLang lets the request go; then -> (seconds its prefetch
         # held it, when it was let go), until the request is admitted
         self._prefetch_starts: dict[str, float] = {}
@@ -301,44 +300,47 @@ class HiCacheHooks(EngineHooks):
         return result
 
     # ------------------------------------------------------------------ prefill admission: PrefillAdder
-    def prefill_budget(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``_update_prefill_budget``: the adder's input-token counter delta (retracted re-counts excluded)."""
+    def prefill_batch(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``PrefillStats.from_adder(adder, ...)``: SGLang's stats of one prefill batch, built metrics on or off, from
+        the adder's counters. The batch's split is counted once, from the same counters (so the sums agree with
+        SGLang's ``prefill_effective_tokens_total``: input minus retracted re-counts, hits of non-retracted requests),
+        on the host thread; and the KV wait a storage prefetch held each of its requests for ends here."""
+        result = wrapped(*args, **kwargs)
+        adder = args[0] if args else kwargs["adder"]
         self._clock.sample()
-        (split, other), result = prefill_delta(wrapped, instance, args, kwargs)
-        self._budgeted = (id(instance), split.input_tokens)
-        if any(split) or other:
-            self._count_prefill(split, other)
+        counts = prefill_counts(adder)
+        if any(counts):
+            self._count_prefill(PrefixSplit(*counts[:4]), counts[4])
+        if self._storage_waits:
+            self._end_storage_waits(adder.can_run_list)
         return result
 
-    def prefill_admission(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``_account_prefill_cache_admission(req, ...)``: the adder's per-tier hit counter deltas.
-
-        SGLang's ``prefill_effective_tokens_total`` is built from the same counters (input minus retracted
-        re-counts, and the per-tier split of non-retracted requests), so the sums agree. With SGLang's request
-        tracing on, it also puts the split on ``req``'s span: its hits, and the input tokens of the budget update
-        SGLang makes for the same admission just before.
-        """
-        (split, other), result = prefill_delta(wrapped, instance, args, kwargs)
-        req = args[0] if args else kwargs["req"]
-        span = request_span(req)
-        waited = self._storage_waits.pop(req.cache_request_handle.rid, None) if self._storage_waits else None
+    def _end_storage_waits(self, admitted: list[Any]) -> None:
         telemetry = self.telemetry
-        if telemetry is None:
-            return result
-        if waited is not None and not req.retracted_stain:
-            telemetry.record_kv_wait(KvWait(Tier.STORAGE, waited[0], waited[1]), request_span=span)
-        if span is not None:  # now, while the request's span is open
-            telemetry.record_prefix_split(split, request_span=span, other_hit=other)
-            budgeted, self._budgeted = self._budgeted, (0, 0)
-            admitted_input = budgeted[1] if budgeted[0] == id(instance) else 0
-            span.set_attribute(f"{ATTR_PREFIX_TOKENS}.{PrefillMode.INPUT.value}", admitted_input)
-        elif any(split) or other:
-            self._count_prefill(split, other)
+        for req in admitted:
+            waited = self._storage_waits.pop(req.cache_request_handle.rid, None)
+            if waited is not None and telemetry is not None and not req.retracted_stain:
+                telemetry.record_kv_wait(KvWait(Tier.STORAGE, waited[0], waited[1]), request_span=request_span(req))
+
+    def admission(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """``PrefillAdder._commit_prefill_admission(req, ...)``: one admitted request, handed to the capacity
+        estimator (:mod:`.capacity`). With SGLang's request tracing on, the request's own split (how much its
+        admission moved the adder's counters: its input and its hits per tier) goes on its span, while it is open;
+        it is counted with its batch (:meth:`prefill_batch`)."""
+        span = request_span(args[0] if args else kwargs["req"])
+        if span is None:
+            return self._capacity.admitted(wrapped, instance, args, kwargs)
+        (split, other), result = prefill_delta(
+            lambda *a, **k: self._capacity.admitted(wrapped, instance, a, k), instance, args, kwargs
+        )
+        telemetry = self.telemetry
+        if telemetry is not None:
+            telemetry.record_prefix_split(split, request_span=span, other_hit=other, counted=True)
         return result
 
     def _count_prefill(self, split: PrefixSplit, other: int) -> None:
-        """Count an admission's prefill split on the telemetry's host thread (one entry put on a queue of ours), once
-        the process reports."""
+        """Count a batch's prefill split on the telemetry's host thread (one entry put on a queue of ours), once the
+        process reports."""
         queue = self._prefill_queue
         if queue is None:
             telemetry = self.telemetry
@@ -348,7 +350,7 @@ class HiCacheHooks(EngineHooks):
         queue.put((next(queue.seq), split, other))
 
     def _counted_prefill(self, entry: tuple[int, PrefixSplit, int]) -> None:
-        """Host thread: count one admission's split (:meth:`_count_prefill`)."""
+        """Host thread: count one batch's split (:meth:`_count_prefill`)."""
         telemetry = self.telemetry
         if telemetry is not None:
             telemetry.record_prefix_split(entry[1], other_hit=entry[2])

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from otel_hicache import semconv as sc
 from otel_hicache.integrations._base import EngineInstrumentor, ProcessSink, Ranks, Target, Wrapper
-from otel_hicache.integrations.sglang.capacity import CAPACITY_TARGET, CapacityHooks
+from otel_hicache.integrations.sglang.capacity import CAPACITY_TARGET
 from otel_hicache.integrations.sglang.hooks import HiCacheHooks
 from otel_hicache.integrations.sglang.semconv import SGLANG_POOLS
 from otel_hicache.integrations.sglang.stat_loggers import OTelStatLoggers
@@ -24,7 +24,7 @@ from otel_hicache.package import _instruments_sglang
 
 _CONTROLLER = "sglang.srt.managers.cache_controller"
 _TREE = "sglang.srt.mem_cache.unified_radix_cache"
-_POLICY = "sglang.srt.managers.schedule_policy"
+_STATS = "sglang.srt.managers.scheduler_components.metrics_reporter"
 _TREE_CORE = "sglang.srt.mem_cache.unified_cache.unified_tree_core"
 
 
@@ -51,8 +51,8 @@ def hicache_patches(hooks: HiCacheHooks) -> list[tuple[Target, Wrapper]]:
         (Target(_TREE, "UnifiedRadixCache", "_handle_prefetch_result", ("operation",)), hooks.storage_prefetch),
         (Target(_TREE, "UnifiedRadixCache", "check_prefetch_progress", ("request",)), hooks.prefetch_progress),
         (Target(_TREE, "UnifiedRadixCache", "init_hicache"), hooks.init_hicache),
-        (Target(_POLICY, "PrefillAdder", "_update_prefill_budget"), hooks.prefill_budget),
-        (Target(_POLICY, "PrefillAdder", "_account_prefill_cache_admission", ("req",)), hooks.prefill_admission),
+        (Target(_STATS, "PrefillStats", "from_adder", ("adder",)), hooks.prefill_batch),
+        (CAPACITY_TARGET, hooks.admission),  # hicache.capacity.* (and a traced request's split)
     ]
 
 
@@ -106,7 +106,6 @@ class SGLangHiCacheInstrumentor(EngineInstrumentor):
     def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
         hooks = self._hooks = HiCacheHooks(sink, sglang_ranks)
         patches = hicache_patches(hooks)
-        patches.append((CAPACITY_TARGET, CapacityHooks(sink, sglang_ranks).admitted))  # hicache.capacity.*
         if options.get("stat_loggers", True):
             resolve = OTelStatLoggers(options.get("meter_provider")).resolve_collector_class
             patches += [

@@ -42,9 +42,9 @@ def prefill_delta(
 ) -> tuple[tuple[PrefixSplit, int], Any]:
     """Run ``wrapped``; return ((how much it moved the adder's prefill counters, the hits of counters we do not know:
     mode ``other``), its result)."""
-    before = _prefill_counts(adder)
+    before = prefill_counts(adder)
     result = wrapped(*args, **kwargs)
-    moved = tuple(map(operator.sub, _prefill_counts(adder), before))
+    moved = tuple(map(operator.sub, prefill_counts(adder), before))
     return (PrefixSplit(moved[0], moved[1], moved[2], moved[3]), moved[4]), result
 
 
@@ -54,7 +54,7 @@ def prefill_delta(
 _UNKNOWN_HITS: dict[tuple[type, int], tuple[str, ...]] = {}
 
 
-def _prefill_counts(adder: Any) -> tuple[int, int, int, int, int]:
+def prefill_counts(adder: Any) -> tuple[int, int, int, int, int]:
     """(input, device, host, storage, other hit tokens) the adder has counted. A hit counter SGLang added (or
     renamed: the known one then reads 0) is summed into ``other``."""
     counters = adder.__dict__
