@@ -3,8 +3,9 @@
 One thread per telemetry (:data:`HOST_THREAD_NAME`), started by the first record (or deferred queue, pool source,
 engine check; over OTLP by the constructor). Each round (:meth:`HostWorker.work`) it
 
-* builds deferred records, each queue oldest first, in slices of :data:`SLICE_NS` (twice that with a backlog);
 * reads the pool-usage sources and runs the engine checks about once a second (:data:`POOL_INTERVAL_S`);
+* builds deferred records, each queue oldest first, for the rest of a slice of :data:`SLICE_NS`
+  (:data:`BACKLOG_SLICE_NS` with a backlog), then pauses :data:`PAUSE_S` if more waits (:data:`BACKLOG_PAUSE_S`);
 * tends the consumer about once a second (:data:`TEND_INTERVAL_S`): moves the counters into shared memory once it can
   be had, relays the export process's log lines, replaces an exporter that died;
 * in-process, turns the ring's records into spans and points in slices, at least every flush interval.
@@ -39,14 +40,19 @@ from otel_hicache.records import PoolUsage, TransferRecord
 from otel_hicache.semconv import CAPACITY_FACTORS, Problem, RecordKind
 
 #: How long a host thread works before pausing so the scheduler thread can take the GIL (the record in hand is
-#: finished first: a round that starts cold lasts about twice this).
+#: finished first): no round holds the GIL for more than 200 us (``benchmarks loop``).
 SLICE_NS = 50_000
-#: Deferred records waiting, as a share of ``max_queue``, past which a round works twice as long: a scheduler thread
-#: that seldom releases the GIL hands it over once per switch interval (5 ms), and shedding is worse than a longer
-#: round.
+#: The pause after a busy round: the scheduler thread runs undisturbed at least this long. Every round costs the
+#: scheduler thread beyond the round itself (a hand-over of the GIL, caches it finds cold), so fewer rounds cost it
+#: less: on SGLang's real path, 1 ms pauses cost its scheduler thread about half what 0.2 ms pauses did per transfer
+#: (``benchmarks sglang``).
+PAUSE_S = 0.001
+#: Deferred records waiting, as a share of ``max_queue``, past which a round works BACKLOG_SLICE_NS and pauses
+#: BACKLOG_PAUSE_S: a scheduler thread that seldom releases the GIL hands it over once per switch interval (5 ms), and
+#: shedding is worse than longer, more frequent rounds.
 BACKLOG_SHARE = 0.25
-#: The pause; long enough for a thread waiting on the GIL to be woken and take it.
-PAUSE_S = 0.0002
+BACKLOG_SLICE_NS = 100_000
+BACKLOG_PAUSE_S = 0.0002
 #: How often the host thread looks for deferred records to build. Every wake costs the scheduler thread (a hand-over
 #: of the GIL, caches both threads find cold), so fewer wakes with more records each cost it less; what a SIGKILL
 #: loses is at most one tick of consumed acks (``benchmarks sigkill``).
@@ -90,6 +96,7 @@ class HostWorker:
         self._tally = tally
         self._count = count
         self._max_queue = max_queue
+        self.pause_s = PAUSE_S  # after this round, if busy: the host thread sleeps so long (set by work())
         self._interval_s = interval_s
         self.shared = shared
         self.capacity: CapacityFeed | None = None  # the process's capacity estimator, when a producer feeds one
@@ -200,8 +207,8 @@ class HostWorker:
     def work(self, state: dict[str, float]) -> bool:
         """One round of the host thread: builds deferred records, reads pool sources, and (in-process) emits spans,
         each in slices of at most SLICE_NS. True when more is waiting (the thread pauses, then comes back)."""
-        backlog = sum(len(queue) for queue in self.queues) > self._max_queue * BACKLOG_SHARE
-        busy = self._build_deferred(2 * SLICE_NS if backlog else SLICE_NS)
+        started = time.perf_counter_ns()
+        busy = False
         now = time.monotonic()
         if (self.pool_sources or self.engine_checks or self.capacity) and now >= state["pools"]:
             state["pools"] = now + POOL_INTERVAL_S
@@ -209,6 +216,10 @@ class HostWorker:
             self.publish_capacity()
             self.run_engine_checks()
             busy = True
+        backlog = sum(len(queue) for queue in self.queues) > self._max_queue * BACKLOG_SHARE
+        slice_ns, self.pause_s = (BACKLOG_SLICE_NS, BACKLOG_PAUSE_S) if backlog else (SLICE_NS, PAUSE_S)
+        # the once-a-second work above is part of this round's slice: a round stays within it
+        busy = self._build_deferred(started + slice_ns - time.perf_counter_ns()) or busy
         if self.shared:  # the export process drains the ring itself
             if now >= state["tend"]:
                 state["tend"] = now + TEND_INTERVAL_S
@@ -444,12 +455,12 @@ def _build_deferred_call(entry: tuple[int, Callable[[Any], TransferRecord | None
 
 
 def _run(ref: weakref.ref[HostWorker], wake: threading.Event) -> None:
-    """The host thread's loop; it pauses PAUSE_S after a busy round so the scheduler thread gets the GIL back."""
+    """The host thread's loop; it pauses after a busy round (``pause_s``) so the scheduler thread gets the GIL back."""
     state = {"pools": 0.0, "drain": 0.0, "tend": 0.0}
-    busy, tick = False, DEFERRED_TICK_S
+    busy, tick, pause = False, DEFERRED_TICK_S, PAUSE_S
     while True:
         if busy:
-            time.sleep(PAUSE_S)
+            time.sleep(pause)
         else:
             wake.wait(tick)
             wake.clear()
@@ -458,6 +469,7 @@ def _run(ref: weakref.ref[HostWorker], wake: threading.Event) -> None:
             return
         tick = worker.tick_s()
         busy = worker.work(state)
+        pause = worker.pause_s
         del worker
 
 
