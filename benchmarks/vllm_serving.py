@@ -15,9 +15,12 @@ One seeded workload per round, the same for every engine: prompts made of 10 doc
 ``generate`` takes 4 prompts at a time, 8 output tokens each. The engine's KV cache holds 32 blocks of 32 tokens
 (about three documents), the CPU tier 128: a document that comes back is mostly loaded from the CPU tier, and every new
 one stored there. Each round's documents are new, so every round stores and loads. Within a round the engines take
-turns one ``generate`` at a time (rotating who goes first), so that the load of a shared machine falls on all of them
-alike; each engine first serves a warm-up it is not timed on, and every round starts after a pause (vLLM's processes
-spin on their queues for a second after work).
+turns (``per_turn`` requests each, the whole round by default; rotating who goes first), so that the load of a shared
+machine falls on all of them alike; each turn starts once the other engines' processes are idle (vLLM's processes
+spin on their queues for a second after work: an engine timed beside another's spin would pay for it; the first run of
+this benchmark on a quiet machine, with turns of one ``generate`` and no such wait, read every engine 8x slower and
+their differences backwards from round to round), each engine first serves a warm-up it is not timed on, and every
+round starts after a pause.
 
 Per engine and round: wall time of its ``generate`` calls (requests/s, output tokens/s), vLLM's own time to first
 token per request (``RequestOutput.metrics``: stats on only), the CPU time (``/proc``: user + system) of each of
@@ -65,20 +68,23 @@ TAIL_TOKENS = 16
 PER_GENERATE = 4
 OUTPUT_TOKENS = 8
 PAUSE_S = 2.0  # longer than vLLM's spin on its message queues (1 s): every engine starts a round idle
+QUIET_WINDOW_S = 0.1  # before each turn the other engines are idle: no more than a tick of CPU in this window
+QUIET_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 600.0
 RUN_TIMEOUT_S = 300.0
 
 
 @dataclass
 class Params:
-    rounds: int = 6
-    requests: int = 64
+    rounds: int = 20
+    requests: int = 64  # per engine and round
+    per_turn: int = 64  # requests an engine serves in one turn (PER_GENERATE per generate)
     warmup: int = 32
     engines: tuple[str, ...] = ENGINES
 
     @staticmethod
     def smoke() -> Params:
-        return Params(rounds=1, requests=16, warmup=4, engines=("off", "on"))
+        return Params(rounds=1, requests=16, per_turn=8, warmup=4, engines=("off", "on"))
 
 
 # ---------------------------------------------------------------------------------------------- the workload
@@ -348,7 +354,7 @@ def run(params: Params, command: str) -> Table:
                     exporters.started = engines["on"].exporter_ticks()
                     exporters.lead_s = [warmups["on"]["first"] - (_start_s(pid) or 0.0) for pid in exporters.started]
                 for r in range(params.rounds):
-                    for name, run in _round(engines, 1000 + r, params.requests, tick).items():
+                    for name, run in _round(engines, 1000 + r, params.requests, params.per_turn, tick).items():
                         runs[name].append(run)
                 if "on" in engines:
                     exporters.ended = engines["on"].exporter_ticks()
@@ -373,21 +379,24 @@ def _start(engines: dict[str, Engine], params: Params) -> dict[str, dict[str, An
     return answers
 
 
-def _round(engines: dict[str, Engine], seed: int, requests: int, tick: float) -> dict[str, dict[str, Any]]:
-    """One round: the workload of ``seed`` on every engine, one ``generate`` (4 prompts) at a time, the engines taking
-    turns in rotating order, so that what the machine's load does to one it does to the others; each engine's CPU
-    counted over its own turns."""
+def _round(
+    engines: dict[str, Engine], seed: int, requests: int, per_turn: int, tick: float
+) -> dict[str, dict[str, Any]]:
+    """One round: the workload of ``seed`` on every engine, ``per_turn`` requests at a time (``PER_GENERATE`` per
+    ``generate``), the engines taking turns in rotating order, so that what the machine's load does to one it does to
+    the others; each engine's CPU counted over its own turns."""
     time.sleep(PAUSE_S)
     names = list(engines)
     runs: dict[str, dict[str, Any]] = {
         name: {"wall_s": 0.0, "requests": 0, "tokens": 0, "cached": 0, "ttft_s": [], "cpu_s": {}} for name in names
     }
     counts = {name: engines[name].ask("counts") for name in names}
-    for turn, start in enumerate(range(0, requests, PER_GENERATE)):
-        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+    for turn, start in enumerate(range(0, requests, per_turn)):
+        for name in names[(seed + turn) % len(names) :] + names[: (seed + turn) % len(names)]:
             engine, run = engines[name], runs[name]
+            _quiet([other for other in engines.values() if other is not engine])
             before = engine.cpu()
-            answer = engine.ask(seed, requests, start, PER_GENERATE)
+            answer = engine.ask(seed, requests, start, per_turn)
             after = engine.cpu()
             for key in ("wall_s", "requests", "tokens", "cached", "ttft_s"):
                 run[key] += answer[key]
@@ -397,6 +406,20 @@ def _round(engines: dict[str, Engine], seed: int, requests: int, tick: float) ->
         after = engines[name].ask("counts")
         runs[name].update({key: after[key] - counts[name][key] for key in after})
     return runs
+
+
+def _quiet(others: list[Engine]) -> None:
+    """Wait (at most ``QUIET_TIMEOUT_S``) until the other engines' processes have stopped spinning after their last
+    turn (vLLM's spin for a second after work): each engine is timed with the machine to itself."""
+    pids = [pid for engine in others for pid in [*engine.processes.values(), *engine.exporters()]]
+    deadline = time.monotonic() + QUIET_TIMEOUT_S
+    before = [_ticks(pid) or 0 for pid in pids]
+    while time.monotonic() < deadline:
+        time.sleep(QUIET_WINDOW_S)
+        after = [_ticks(pid) or 0 for pid in pids]
+        if sum(after) - sum(before) <= 1:  # at most one tick (10 ms) of CPU in the window, all of them together
+            return
+        before = after
 
 
 def _tabulate(
@@ -455,8 +478,10 @@ def _tabulate(
         r["tokens"] == r["requests"] * OUTPUT_TOKENS for rs in runs.values() for r in rs
     )
     table.notes += [
-        f"{params.rounds} rounds x {params.requests} requests per engine, the engines taking turns one generate at "
-        f"a time (rotating who goes first), {PAUSE_S:g} s pause before each round; warm-up {params.warmup} requests "
+        f"{params.rounds} rounds x {params.requests} requests per engine, the engines taking turns of "
+        f"{params.per_turn} requests ({PER_GENERATE} per generate; rotating who goes first), each turn once the "
+        f"other engines' processes are idle (at most one CPU tick in {QUIET_WINDOW_S:g} s), {PAUSE_S:g} s pause "
+        f"before each round; warm-up {params.warmup} requests "
         "per engine, not timed. Engines: "
         "'on' = our plugin (VLLM_PLUGINS=vllm_kv_offload, OTLP gRPC to a receiver in the driver), 'off' = no plugin "
         "(VLLM_PLUGINS empty), both with vLLM's stats on; 'bare' = no plugin, vLLM's stats off (disable_log_stats).",
