@@ -82,6 +82,7 @@ import itertools
 import math
 import threading
 from array import array
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -198,10 +199,13 @@ class CapacityModel:
         self._simulated: set[int] = set()
         self._sim_by_hash: list[int] = []  # -hash of each simulated page
         self._last: dict[int, int] = {}  # sampled page -> the clock of its last use
-        self._by_hash: list[int] = []  # -hash of each sampled page: the largest leaves first when the rate drops
-        self._size = 4 * max_keys  # clock values before the stack is renumbered
-        self._tree = array("i", bytes(4 * (self._size + 1)))  # Fenwick tree: 1 at the clock of each page's last use
+        # The LRU stack: the clocks of the sampled pages' last uses, ascending (a page's distance is the number of
+        # clocks after its own: two C-level bisections, where a tree of counts would take Python loops).
+        self._clocks = array("q")
         self._clock = 0
+        # -hash of each sampled page, the largest leaves first when the rate drops: built when the sample first
+        # overflows (a sample that never fills needs none), kept up to date from then on
+        self._by_hash: list[int] | None = None
         self._hist = array("d", bytes(8 * _BINS))  # sample weight by scaled distance (pages)
         self.cold = 0.0  # sample weight of first uses
         self.sampled = 0.0  # sample weight of all sampled uses
@@ -257,66 +261,46 @@ class CapacityModel:
     def _lookup(self, sampled: list[int]) -> None:
         """Each sampled page's distance before the request touches any (the lookup precedes the insert)."""
         weight = _SPACE / (self.threshold - _LOWEST)
-        last, hist, live = self._last, self._hist, len(self._last)
+        last, hist, clocks = self._last, self._hist, self._clocks
+        live = len(clocks)
         for h in sampled:
             self.sampled += weight
             used = last.get(h)
             if used is None:
                 self.cold += weight
                 continue
-            hist[_bin((live - self._prefix(used)) * weight)] += weight
+            distance = (live - bisect_right(clocks, used)) * weight  # distinct pages used since
+            hist[int(distance) if distance < _LINEAR else _bin(distance)] += weight
 
     def _touch(self, sampled: list[int]) -> None:
         """Last page first: a parent ends up more recent than its children."""
-        last = self._last
+        last, clocks = self._last, self._clocks
         for h in reversed(sampled):
             if h >= self.threshold:  # left the sample while this request was touched
                 continue
-            if self._clock >= self._size:
-                self._renumber()
             self._clock += 1
             used = last.get(h)
-            if used is not None:
-                self._add(used, -1)
             last[h] = self._clock
-            self._add(self._clock, 1)
-            if used is None:
-                heapq.heappush(self._by_hash, -h)
+            clocks.append(self._clock)  # the latest: the stack stays sorted
+            if used is not None:
+                del clocks[bisect_left(clocks, used)]
+            else:
+                if self._by_hash is not None:
+                    heapq.heappush(self._by_hash, -h)
                 if len(last) > self.max_keys:
                     self._lower()
 
     def _lower(self) -> None:
         """Drop the sampled page of largest hash; sample below it from now on (fixed-size SHARDS)."""
+        if self._by_hash is None:
+            self._by_hash = [-h for h in self._last]
+            heapq.heapify(self._by_hash)
         h = -heapq.heappop(self._by_hash)
-        self._add(self._last.pop(h), -1)
+        del self._clocks[bisect_left(self._clocks, self._last.pop(h))]
         self.threshold = h
         if h < self.sim_threshold:  # the simulations sample a subset of these pages
             self.sim_threshold = h
             self._unsimulate(h)
-
-    # ------------------------------------------------------------------ the stack (a Fenwick tree over clock values)
-    def _add(self, at: int, n: int) -> None:
-        tree, size = self._tree, self._size
-        while at <= size:
-            tree[at] += n
-            at += at & -at
-
-    def _prefix(self, at: int) -> int:
-        """Sampled pages last used at or before clock ``at``."""
-        tree, total = self._tree, 0
-        while at:
-            total += tree[at]
-            at &= at - 1
-        return total
-
-    def _renumber(self) -> None:
-        """Clock values 1..n in the same order: the stack fits the tree again."""
-        order = sorted(self._last, key=self._last.__getitem__)
-        self._tree = array("i", bytes(4 * (self._size + 1)))
-        for clock, h in enumerate(order, 1):
-            self._last[h] = clock
-            self._add(clock, 1)
-        self._clock = len(order)
 
     # ------------------------------------------------------------------ the curve
     def hit_ratio(self, pages: float) -> float:
