@@ -176,11 +176,12 @@ def check_tiers(tiers: Iterable[TierCapacity]) -> tuple[TierCapacity, ...]:
 def page_keys(tokens: Sequence[int], page_tokens: int) -> list[int]:
     """Keys of each full page of ``tokens`` for :meth:`CapacityFeed.put`: a chain of Python hashes (each page's key
     hashes its parent's key with the page's ids), equal exactly when the prefixes are. Run it in ``keys``, on the host
-    thread: about 0.3 us a page."""
+    thread: under a microsecond a page."""
     out: list[int] = []
     key = 0
-    for start in range(0, len(tokens) - page_tokens + 1, page_tokens):
-        key = hash((key, *tokens[start : start + page_tokens]))
+    pages = iter(tokens)
+    for page in zip(*[pages] * page_tokens):  # each full page as a tuple, the tail left out (C-level)
+        key = hash((key, page))
         out.append(key)
     return out
 
