@@ -180,7 +180,7 @@ def page_keys(tokens: Sequence[int], page_tokens: int) -> list[int]:
     out: list[int] = []
     key = 0
     pages = iter(tokens)
-    for page in zip(*[pages] * page_tokens):  # each full page as a tuple, the tail left out (C-level)
+    for page in zip(*[pages] * page_tokens, strict=False):  # each full page as a tuple, the tail left out (C-level)
         key = hash((key, page))
         out.append(key)
     return out

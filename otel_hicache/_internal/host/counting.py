@@ -179,7 +179,7 @@ class Tally:
         return base + HISTOGRAM_BUCKETS + bisect_left(self.layout.bounds[name], value), base + HISTOGRAM_SUM
 
     def prefill(self, counts: dict[PrefillMode, int]) -> None:
-        self.add([(self._prefill_slot[(mode,)], n) for mode, n in counts.items()])
+        self.add([(self._prefill_slot[(mode,)], n) for mode, n in counts.items() if n])  # a 0 changes no series
 
     def mismatches(self, names: Iterable[Any]) -> None:
         """Count what one engine check reported: each name of one of our instruments (a plain string) once."""

@@ -519,7 +519,8 @@ def prefix_split(record: Any, other_hit: Any = 0) -> dict[PrefillMode, int]:
     """Tokens per mode; ``other`` only when ``other_hit`` (hits of a kind we do not know) has some."""
     if not isinstance(record, PrefixSplit):
         raise Rejected(Problem.MALFORMED)
-    modes = {mode: count(n) for mode, n in record.by_mode().items()}
+    # plain ints in range taken as they are (the common case: one per prefill batch on the host thread)
+    modes = {mode: n if type(n) is int and 0 <= n <= MAX_TOKENS else count(n) for mode, n in record.by_mode().items()}
     other = count(other_hit)
     if other:
         modes[PrefillMode.OTHER] = other
