@@ -105,16 +105,12 @@ class PrefixSplit(NamedTuple):
     storage_hit: int
 
     def by_mode(self) -> dict[PrefillMode, int]:
-        return dict(zip(SPLIT_MODES, self, strict=True))
-
-
-#: The mode of each field of a :class:`PrefixSplit`, in field order.
-SPLIT_MODES: tuple[PrefillMode, ...] = (
-    PrefillMode.INPUT,
-    PrefillMode.DEVICE_HIT,
-    PrefillMode.HOST_HIT,
-    PrefillMode.STORAGE_HIT,
-)
+        return {
+            PrefillMode.INPUT: self.input_tokens,
+            PrefillMode.DEVICE_HIT: self.device_hit,
+            PrefillMode.HOST_HIT: self.host_hit,
+            PrefillMode.STORAGE_HIT: self.storage_hit,
+        }
 
 
 class PoolUsage(NamedTuple):
