@@ -145,6 +145,8 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
             assert _sane(values["check_p50"]) and values["check_p50"] > 0, name
             assert {"ratio_paired", "ratio_whole", "ratio_consumption", "host_cpu_added", "export_cpu"} <= set(values)
             assert "receiver_cpu" in values
+            if name.endswith("/otel_hicache instrumentor, OTLP"):  # its host thread's own CPU, found by name
+                assert _sane(values["host_thread_cpu"]) and values["host_thread_cpu"] > 0, name
 
 
 @pytest.mark.skipif(
