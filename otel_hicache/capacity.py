@@ -271,7 +271,7 @@ class CapacityModel:
                 self.cold += weight
                 continue
             distance = (live - bisect_right(clocks, used)) * weight  # distinct pages used since
-            hist[int(distance) if distance < _LINEAR else _bin(distance)] += weight
+            hist[_bin(distance)] += weight
 
     def _touch(self, sampled: list[int]) -> None:
         """Last page first: a parent ends up more recent than its children."""
