@@ -167,10 +167,10 @@ class _RoundTimer:
         wall, cpu = time.perf_counter_ns, time.thread_time_ns
         collected = self._collected = [0, 0]  # host-thread CPU in collections so far, start of the current one
 
-        def timed(state: dict[str, float]) -> bool:
+        def timed(state: dict[str, float]) -> float | None:
             w0, c0, g0 = wall(), cpu(), collected[0]
             try:
-                return bool(work(state))
+                return work(state)
             finally:
                 rounds.append((cpu() - c0, wall() - w0, collected[0] - g0))
 

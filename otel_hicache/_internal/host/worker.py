@@ -96,7 +96,6 @@ class HostWorker:
         self._tally = tally
         self._count = count
         self._max_queue = max_queue
-        self.pause_s = PAUSE_S  # after this round, if busy: the host thread sleeps so long (set by work())
         self._interval_s = interval_s
         self.shared = shared
         self.capacity: CapacityFeed | None = None  # the process's capacity estimator, when a producer feeds one
@@ -204,9 +203,10 @@ class HostWorker:
         return True
 
     # ------------------------------------------------------------------ the host thread's round
-    def work(self, state: dict[str, float]) -> bool:
+    def work(self, state: dict[str, float]) -> float | None:
         """One round of the host thread: builds deferred records, reads pool sources, and (in-process) emits spans,
-        each in slices of at most SLICE_NS. True when more is waiting (the thread pauses, then comes back)."""
+        each in slices of at most SLICE_NS (BACKLOG_SLICE_NS with a backlog). When more is waiting, how long the
+        thread pauses before it comes back (PAUSE_S, BACKLOG_PAUSE_S with a backlog); else None."""
         started = time.perf_counter_ns()
         busy = False
         now = time.monotonic()
@@ -217,7 +217,7 @@ class HostWorker:
             self.run_engine_checks()
             busy = True
         backlog = sum(len(queue) for queue in self.queues) > self._max_queue * BACKLOG_SHARE
-        slice_ns, self.pause_s = (BACKLOG_SLICE_NS, BACKLOG_PAUSE_S) if backlog else (SLICE_NS, PAUSE_S)
+        slice_ns, pause_s = (BACKLOG_SLICE_NS, BACKLOG_PAUSE_S) if backlog else (SLICE_NS, PAUSE_S)
         # the once-a-second work above is part of this round's slice: a round stays within it
         busy = self._build_deferred(started + slice_ns - time.perf_counter_ns()) or busy
         if self.shared:  # the export process drains the ring itself
@@ -228,7 +228,7 @@ class HostWorker:
             if not self.consumer.drain(SLICE_NS):
                 state["drain"] = now + self._interval_s  # drained: back in one flush interval
             busy = True
-        return busy
+        return pause_s if busy else None
 
     def tick_s(self) -> float:
         return min(self._interval_s, DEFERRED_TICK_S) if self._fast else TEND_INTERVAL_S
@@ -455,11 +455,12 @@ def _build_deferred_call(entry: tuple[int, Callable[[Any], TransferRecord | None
 
 
 def _run(ref: weakref.ref[HostWorker], wake: threading.Event) -> None:
-    """The host thread's loop; it pauses after a busy round (``pause_s``) so the scheduler thread gets the GIL back."""
+    """The host thread's loop; it pauses after a busy round (as long as the round says) so the scheduler thread gets
+    the GIL back."""
     state = {"pools": 0.0, "drain": 0.0, "tend": 0.0}
-    busy, tick, pause = False, DEFERRED_TICK_S, PAUSE_S
+    tick, pause = DEFERRED_TICK_S, None
     while True:
-        if busy:
+        if pause is not None:
             time.sleep(pause)
         else:
             wake.wait(tick)
@@ -468,8 +469,7 @@ def _run(ref: weakref.ref[HostWorker], wake: threading.Event) -> None:
         if worker is None or worker.closed or worker._wake is not wake:  # gone, shut down, or forked
             return
         tick = worker.tick_s()
-        busy = worker.work(state)
-        pause = worker.pause_s
+        pause = worker.work(state)
         del worker
 
 
