@@ -224,33 +224,33 @@ def _set_affinity(pid: int, cpus: set[int]) -> None:
 
 
 def _host_thread_cpu_ns() -> int:
-    """CPU time so far of this process's otel_hicache host thread (``/proc/self/task/TID/schedstat``); 0 without."""
+    """CPU time so far of this process's otel_hicache host thread, in ns; 0 without one."""
     from otel_hicache._internal.host.worker import HOST_THREAD_NAME
 
     for thread in threading.enumerate():
         if thread.name == HOST_THREAD_NAME and thread.native_id is not None:
-            try:
-                return int(Path(f"/proc/self/task/{thread.native_id}/schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):  # ended meanwhile
-                return 0
+            return _thread_cpu_ns(os.getpid(), thread.native_id)
     return 0
 
 
 def _cpu_ns(pid: int | None) -> int:
-    """CPU time of process ``pid``'s live threads so far, in ns (``/proc/PID/task/*/schedstat``); 0 when unknown."""
+    """CPU time of process ``pid``'s live threads so far, in ns; 0 when unknown."""
     if pid is None:
         return 0
-    total = 0
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return 0
-    for tid in tids:
-        try:
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
-            continue
-    return total
+    return sum(_thread_cpu_ns(pid, int(tid)) for tid in tids)
+
+
+def _thread_cpu_ns(pid: int, tid: int) -> int:
+    """CPU time of thread ``tid`` of process ``pid`` so far, in ns (``/proc/PID/task/TID/schedstat``); 0 once it
+    ended."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _run(params: Params, command: str) -> Table:
