@@ -74,6 +74,7 @@ from otel_hicache.integrations._patching import (
 from otel_hicache.integrations._sink import (
     MAX_PENDING,
     AdmissionHooks,
+    CapacityFeeder,
     EngineHooks,
     ProcessSink,
     Ranks,
@@ -87,6 +88,7 @@ __all__ = [
     "MAX_PENDING",
     "ONCE",
     "AdmissionHooks",
+    "CapacityFeeder",
     "EngineHooks",
     "EngineInstrumentor",
     "ProcessSink",

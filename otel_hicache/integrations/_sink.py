@@ -151,10 +151,9 @@ class EngineHooks:
         return self.sink.get(None if ranks is None else lambda: ranks(*at))
 
 
-class AdmissionHooks(EngineHooks, ABC):
-    """Base of an engine's admission wrapper feeding the process's capacity estimator: the feed is made once, at
-    the first admission (:meth:`_feed_for`, under a lock; None: this process feeds nothing), and each admitted
-    request is handed over as what :meth:`_payload` returns (a reference and its prompt length; None: left out)."""
+class CapacityFeeder(EngineHooks, ABC):
+    """Base of an engine's hooks feeding the process's capacity estimator: the feed is made once, at the first
+    admission (:meth:`_feed_for`, under a lock; None: this process feeds nothing)."""
 
     def __init__(self, sink: ProcessSink, ranks: Callable[..., Ranks] | None = None) -> None:
         super().__init__(sink, ranks)
@@ -162,16 +161,10 @@ class AdmissionHooks(EngineHooks, ABC):
         self._started = False
         self._lock = threading.Lock()
 
-    def admitted(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        result = wrapped(*args, **kwargs)
-        feed = self._feed if self._started else self._start(instance)
-        if feed is not None:
-            payload = self._payload(args, kwargs)
-            if payload is not None:
-                feed.put((next(feed.seq), *payload))
-        return result
-
-    def _start(self, instance: Any) -> CapacityFeed | None:
+    def feed(self, instance: Any) -> CapacityFeed | None:
+        """The process's feed over the engine's cache ``instance`` (made at the first call), or None."""
+        if self._started:
+            return self._feed
         with self._lock:
             if not self._started:
                 self._started = True
@@ -181,6 +174,20 @@ class AdmissionHooks(EngineHooks, ABC):
     @abstractmethod
     def _feed_for(self, instance: Any) -> CapacityFeed | None:
         """The process's feed over the engine's cache ``instance`` (the wrapped method's object), or None."""
+
+
+class AdmissionHooks(CapacityFeeder, ABC):
+    """Base of an engine's admission wrapper feeding the capacity estimator one admitted request per call, handed
+    over as what :meth:`_payload` returns (a reference and its prompt length; None: left out)."""
+
+    def admitted(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        feed = self.feed(instance)
+        if feed is not None:
+            payload = self._payload(args, kwargs)
+            if payload is not None:
+                feed.put((next(feed.seq), *payload))
+        return result
 
     @abstractmethod
     def _payload(self, args: tuple, kwargs: dict) -> tuple[Any, int] | None:

@@ -181,3 +181,30 @@ def test_a_scheduler_exports_the_curve_of_both_tiers_over_otlp(cpu_sglang: Any, 
     assert limit is not None
     host = [p for p in limit.sum.data_points if attributes(p.attributes)[sc.ATTR_TIER] == "host"]
     assert [p.as_int for p in host] == [HOST + PAGE]  # SGLang's host pool: ratio x device, plus its padding page
+
+
+def test_a_chunked_request_is_one_admission_however_many_batches_its_chunks_take(instrumented: Sdk) -> None:
+    """The estimator is fed from each prefill batch's list, where a chunked request's next chunks come back: fed
+    again, the second lookup of its prompt would count its own pages as hits."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+    from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
+
+    from otel_hicache.testing.sglang import build_hicache, make_request
+
+    cache, allocator, _ = build_hicache("write_through", kv_size=1024, page_size=PAGE)
+    req = make_request(list(range(1, 101)), "long")
+    req.init_next_round_input(cache)
+    chunk = 32
+    adder = PrefillAdder(cache.page_size, cache, allocator, None, 1.0, 4096, chunk)
+    adder.add_one_req(req, False, None)
+    assert adder.new_chunked_req is req  # admitted: its first chunk runs in this batch
+    PrefillStats.from_adder(adder, running_reqs=[])
+    for _ in range(2):  # its next chunks, a batch each, as the scheduler adds them (``add_chunked_req``)
+        adder = PrefillAdder(cache.page_size, cache, allocator, None, 1.0, 4096, chunk)
+        adder.add_chunked_req(req)
+        assert adder.can_run_list == [req]
+        PrefillStats.from_adder(adder, running_reqs=[])
+
+    predicted = predictions(instrumented)
+    assert predicted  # the request was fed
+    assert set(predicted.values()) == {0.0}  # once: a prompt never seen before hits nothing at any size

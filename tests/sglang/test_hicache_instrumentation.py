@@ -256,12 +256,10 @@ def test_uninstrument_restores_every_original_and_instrumenting_twice_wraps_once
 
     from otel_hicache.integrations._base import ProcessSink
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
-    from otel_hicache.integrations.sglang.capacity import CAPACITY_TARGET
     from otel_hicache.integrations.sglang.hooks import HiCacheHooks
     from otel_hicache.integrations.sglang.instrumentor import _STAT_LOGGER_MODULES, hicache_patches
 
     targets = [target for target, _ in hicache_patches(HiCacheHooks(ProcessSink(sc.Engine.SGLANG)))]
-    targets.append(CAPACITY_TARGET)
     owners = [getattr(importlib.import_module(t.module), t.owner) for t in targets]
     originals = [vars(owner)[t.attribute] for owner, t in zip(owners, targets, strict=True)]
     modules = [importlib.import_module(m) for m in _STAT_LOGGER_MODULES]

@@ -63,10 +63,10 @@ def test_a_load_back_links_to_the_request_it_served_and_the_request_span_carries
     assert adder.add_one_req(traced, False, None) is AddReqResult.CONTINUE  # its load back is started here
     cache.ready_to_load_host_cache()
     pump(cache, lambda: not cache.cache_controller.ack_load_queue, "load back")
-    traced.time_stats.trace_ctx.trace_req_finish()
     untraced.init_next_round_input(cache)  # a request without tracing: nothing to link, nothing on a span
     assert adder.add_one_req(untraced, False, None) is AddReqResult.CONTINUE
     PrefillStats.from_adder(adder, running_reqs=[])  # the batch's stats, as the scheduler builds them
+    traced.time_stats.trace_ctx.trace_req_finish()
     instrumented.telemetry.flush()
 
     (load_back,) = instrumented.spans(sc.SPAN_NAMES[sc.TransferOperation.LOAD_BACK])

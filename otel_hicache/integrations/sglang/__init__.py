@@ -43,7 +43,11 @@ tokens``
                                           bytes per token)
 ``PrefillStats.from_adder`` (SGLang's     ``hicache.prefill.tokens{mode}``: input (retracted re-counts excluded) and
 stats of each prefill batch, built        device / host / storage hits, once per batch from the adder's counters
-metrics on or off)                        (SGLang's ``prefill_effective_tokens_total`` is built from the same)
+metrics on or off)                        (SGLang's ``prefill_effective_tokens_total`` is built from the same);
+                                          ``hicache.capacity.hit_ratio{tier, factor}``: each request the batch
+                                          admitted (``adder.can_run_list``, a chunked request's next chunk left out)
+                                          handed to the capacity estimator, its page keys hashed on the telemetry's
+                                          host thread (:mod:`.capacity`: what the model assumes)
 ``HiCacheController._page_backup_or_log`` ``hicache.storage_backup`` (L2 -> L3, storage thread, host-clock timed)
 ``UnifiedRadixCache._handle_prefetch_     ``hicache.storage_prefetch`` (L3 -> L2, from the prefetch's issue to its
 result``                                  result)
@@ -54,12 +58,10 @@ result``                                  result)
 progress``                                SGLang's stop policy lets the request go, recorded with its prefill batch
 ``load_back``, ``checkpoint_into_tree`` / with SGLang's request tracing on: the request's scheduler span, which the
 ``advance_unpublished_req``               ``hicache.load_back`` / ``hicache.backup`` spans of the transfers they start
-                                          link to; ``_commit_prefill_admission`` puts the request's own prefix split
-                                          on it (and the KV waits put ``hicache.kv_wait.<tier>``)
+                                          link to; its prefill batch (``PrefillStats.from_adder``) puts the
+                                          request's own prefix split on it (and the KV waits put
+                                          ``hicache.kv_wait.<tier>``)
 ``UnifiedRadixCache.init_hicache``        ``hicache.pool.usage`` / ``.limit`` of the host KV pool, read at collection
-``PrefillAdder._commit_prefill_           ``hicache.capacity.hit_ratio{tier, factor}``: each admitted request handed to
-admission``                               the capacity estimator, its page keys hashed on the telemetry's host thread
-                                          (:mod:`.capacity`: what the model assumes)
 ``HiCacheController.reset``               forgets acks the reset discarded (also under suppression)
 ========================================  =============================================================================
 
@@ -105,8 +107,9 @@ through a wrapper; each submitted ack costs a clock read, a suppression check an
 appends it, each consumed ack one entry put on its queue's :class:`~otel_hicache.telemetry.DeferredQueue`
 (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`), and the record is built and counted on the
 telemetry's host thread; a prefill batch's split is counted there too, once per batch from the counters SGLang's
-``PrefillStats`` reads. One wrapper runs per admitted request (``_commit_prefill_admission``: one entry put on the
-capacity estimator's queue; with request tracing on, the request's split put on its span).
+``PrefillStats`` reads, and in the same wrapper (the one wrapper of a prefill batch; none runs per request) each
+request the batch admitted costs one entry put on the capacity estimator's queue (with request tracing on, its split
+put on its span).
 ``.venv-sglang/bin/python -m benchmarks sglang`` measures the whole per transfer (submission, consumption, admission)
 against SGLang's own prometheus metrics, for both ways ``writing_check`` is called (see docs/overhead.md).
 

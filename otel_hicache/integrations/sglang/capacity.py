@@ -1,13 +1,14 @@
 """``hicache.capacity.hit_ratio`` for SGLang HiCache: each admitted request's prefix lookup fed to the capacity
 estimator (:mod:`otel_hicache.capacity`), page by page.
 
-The access stream is what SGLang's prefill admission commits (``PrefillAdder._commit_prefill_admission``): every
-request it admits, once (a chunked request's later chunks are not admissions; a retracted request coming back is left
-out, as SGLang leaves it out of its own per-tier counters). On the scheduler thread the wrapper only hands the
-request object over to the telemetry's host thread (one ``put`` on a bounded queue, two C calls); the page keys are
-computed there, from the request's prompt (``origin_input_ids``), a chain of hashes per SGLang page
-(:func:`otel_hicache.capacity.page_keys`, namespaced by the request's ``extra_key`` and ``cache_salt`` as SGLang's
-``RadixKey`` is). No token id leaves that thread; only the curve leaves the process.
+The access stream is what SGLang's prefill batches admit: every request a batch admits, once, read where SGLang builds
+the batch's stats (``PrefillStats.from_adder``, wrapped once per batch: no wrapper runs per request) from the batch's
+list, ``adder.can_run_list`` (a chunked request's later chunks, also in that list, are not admissions: a request is fed
+the first time it is seen; a retracted request coming back is left out, as SGLang leaves it out of its own per-tier
+counters). On the scheduler thread each admitted request is only handed over to the telemetry's host thread (one ``put``
+on a bounded queue, two C calls); the page keys are computed there, from the request's prompt (``origin_input_ids``), a
+chain of hashes per SGLang page (:func:`otel_hicache.capacity.page_keys`, namespaced by the request's ``extra_key`` and
+``cache_salt`` as SGLang's ``RadixKey`` is). No token id leaves that thread; only the curve leaves the process.
 
 What the model assumes of SGLang (``docs/sglang.md``):
 
@@ -32,22 +33,43 @@ from collections.abc import Hashable
 from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity, page_keys
-from otel_hicache.integrations._base import AdmissionHooks, Target
+from otel_hicache.integrations._base import MAX_PENDING, CapacityFeeder
 from otel_hicache.semconv import Tier
 
-#: The admission the estimator is fed from (``HiCacheHooks.admission`` wraps it, through
-#: :meth:`CapacityHooks.admitted`).
-CAPACITY_TARGET = Target("sglang.srt.managers.schedule_policy", "PrefillAdder", "_commit_prefill_admission", ("req",))
 _WRITE_BACK = "write_back"
 
 
-class CapacityHooks(AdmissionHooks):
-    """The wrapper of SGLang's prefill admission (``PrefillAdder._commit_prefill_admission(req, ...)``) feeding the
-    process's capacity estimator (one per process: one scheduler, one tree)."""
+class CapacityHooks(CapacityFeeder):
+    """What each prefill batch admitted, read from its list once per batch, fed to the process's capacity estimator
+    (one per process: one scheduler, one tree)."""
 
-    def _payload(self, args: tuple, kwargs: dict) -> tuple[Any, int] | None:
-        req = args[0] if args else kwargs["req"]
-        return None if req.retracted_stain else (req, len(req.origin_input_ids))
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The rids seen in a batch lately: a chunked request's chunks follow one another, each seen again refreshed.
+        # Two generations of at most MAX_PENDING each, the older dropped whole (no per-entry bookkeeping).
+        self._seen: set[str] = set()
+        self._older: set[str] = set()
+
+    def admissions(self, adder: Any) -> list[Any]:
+        """The requests ``adder``'s batch admitted (scheduler thread, once per batch): its list less those seen in
+        an earlier batch (a chunked request's next chunk); each that is not a retracted one coming back is fed to
+        the estimator."""
+        seen, older, admitted = self._seen, self._older, []
+        for req in adder.can_run_list:
+            rid = req.rid
+            if rid not in seen:
+                seen.add(rid)
+                if rid not in older:
+                    admitted.append(req)
+        if len(seen) > MAX_PENDING:
+            self._older, self._seen = seen, set()
+        if admitted:
+            feed = self.feed(adder)
+            if feed is not None:
+                for req in admitted:
+                    if not req.retracted_stain:
+                        feed.put((next(feed.seq), req, len(req.origin_input_ids)))
+        return admitted
 
     def _feed_for(self, adder: Any) -> CapacityFeed | None:
         """At the first admission: the estimator over this scheduler's tree, its tiers read from SGLang's pools;

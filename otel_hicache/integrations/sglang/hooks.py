@@ -34,11 +34,12 @@ from otel_hicache.integrations.sglang.ack_queues import LOAD, QUEUE, WRITE, AckQ
 from otel_hicache.integrations.sglang.capacity import CapacityHooks
 from otel_hicache.integrations.sglang.eviction import READ, AccessClock, Evictions, full_tokens, radix_node
 from otel_hicache.integrations.sglang.reading import (
+    PrefillCounts,
     drop_arguments,
     host_pool_usage,
     prefill_counts,
-    prefill_delta,
     request_span,
+    request_split,
     size_per_token,
 )
 from otel_hicache.integrations.sglang.self_check import SelfCheck
@@ -69,7 +70,7 @@ class HiCacheHooks(EngineHooks):
 
     def __init__(self, sink: ProcessSink, ranks: Callable[[], Ranks] | None = None) -> None:
         super().__init__(sink, ranks)
-        self._capacity = CapacityHooks(sink, ranks)  # the admission wrapper feeds the capacity estimator too
+        self._capacity = CapacityHooks(sink, ranks)  # each prefill batch's admissions feed the capacity estimator
         # Per-controller request links live on the controller itself (one attribute read); the weak dictionary is
         # only the fallback for a controller that takes no new attributes.
         self._attr = f"_otel_hicache_links_{id(self):x}"
@@ -302,18 +303,33 @@ class HiCacheHooks(EngineHooks):
     # ------------------------------------------------------------------ prefill admission: PrefillAdder
     def prefill_batch(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``PrefillStats.from_adder(adder, ...)``: SGLang's stats of one prefill batch, built metrics on or off, from
-        the adder's counters. The batch's split is counted once, from the same counters (so the sums agree with
-        SGLang's ``prefill_effective_tokens_total``: input minus retracted re-counts, hits of non-retracted requests),
-        on the host thread; and the KV wait a storage prefetch held each of its requests for ends here."""
+        the adder's counters; the one wrapper of a prefill batch. The batch's split is counted once, from the same
+        counters (so the sums agree with SGLang's ``prefill_effective_tokens_total``: input minus retracted re-counts,
+        hits of non-retracted requests), on the host thread; the requests it admitted are fed to the capacity
+        estimator (:mod:`.capacity`), and with SGLang's request tracing on each one's own split goes on its span
+        (:func:`.reading.request_split`); and the KV wait a storage prefetch held each of its requests for ends here."""
         result = wrapped(*args, **kwargs)
         adder = args[0] if args else kwargs["adder"]
         self._clock.sample()
         counts = prefill_counts(adder)
         if any(counts):
-            self._count_prefill(PrefixSplit(*counts[:4]), counts[4])
+            self._count_prefill(counts)
+        admitted = self._capacity.admissions(adder)
+        if admitted:
+            self._split_on_spans(admitted)
         if self._storage_waits:
             self._end_storage_waits(adder.can_run_list)
         return result
+
+    def _split_on_spans(self, admitted: list[Any]) -> None:
+        """Each traced request's own split on its span, while it is open (counted with its batch)."""
+        telemetry = self.telemetry
+        if telemetry is None:
+            return
+        for req in admitted:
+            span = request_span(req)
+            if span is not None:
+                telemetry.record_prefix_split(request_split(req), request_span=span, counted=True)
 
     def _end_storage_waits(self, admitted: list[Any]) -> None:
         telemetry = self.telemetry
@@ -322,38 +338,23 @@ class HiCacheHooks(EngineHooks):
             if waited is not None and telemetry is not None and not req.retracted_stain:
                 telemetry.record_kv_wait(KvWait(Tier.STORAGE, waited[0], waited[1]), request_span=request_span(req))
 
-    def admission(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``PrefillAdder._commit_prefill_admission(req, ...)``: one admitted request, handed to the capacity
-        estimator (:mod:`.capacity`). With SGLang's request tracing on, the request's own split (how much its
-        admission moved the adder's counters: its input and its hits per tier) goes on its span, while it is open;
-        it is counted with its batch (:meth:`prefill_batch`)."""
-        span = request_span(args[0] if args else kwargs["req"])
-        if span is None:
-            return self._capacity.admitted(wrapped, instance, args, kwargs)
-        (split, other), result = prefill_delta(
-            lambda *a, **k: self._capacity.admitted(wrapped, instance, a, k), instance, args, kwargs
-        )
-        telemetry = self.telemetry
-        if telemetry is not None:
-            telemetry.record_prefix_split(split, request_span=span, other_hit=other, counted=True)
-        return result
-
-    def _count_prefill(self, split: PrefixSplit, other: int) -> None:
-        """Count a batch's prefill split on the telemetry's host thread (one entry put on a queue of ours), once the
-        process reports."""
+    def _count_prefill(self, counts: PrefillCounts) -> None:
+        """Count a batch's split, the adder's counters as :func:`.reading.prefill_counts` reads them, on the
+        telemetry's host thread (one entry put on a queue of ours), once the process reports."""
         queue = self._prefill_queue
         if queue is None:
             telemetry = self.telemetry
             if telemetry is None:
                 return
             queue = self._prefill_queue = telemetry.deferred_queue(self._counted_prefill)
-        queue.put((next(queue.seq), split, other))
+        queue.put((next(queue.seq), counts))
 
-    def _counted_prefill(self, entry: tuple[int, PrefixSplit, int]) -> None:
+    def _counted_prefill(self, entry: tuple[int, PrefillCounts]) -> None:
         """Host thread: count one batch's split (:meth:`_count_prefill`)."""
         telemetry = self.telemetry
         if telemetry is not None:
-            telemetry.record_prefix_split(entry[1], other_hit=entry[2])
+            counts = entry[1]
+            telemetry.record_prefix_split(PrefixSplit(*counts[:4]), other_hit=counts[4])
 
     # ------------------------------------------------------------------ L3 storage
     def storage_backup(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -16,7 +16,6 @@ from typing import Any, Final
 
 from otel_hicache import semconv as sc
 from otel_hicache.integrations._base import EngineInstrumentor, ProcessSink, Ranks, Target, Wrapper
-from otel_hicache.integrations.sglang.capacity import CAPACITY_TARGET
 from otel_hicache.integrations.sglang.hooks import HiCacheHooks
 from otel_hicache.integrations.sglang.semconv import SGLANG_POOLS
 from otel_hicache.integrations.sglang.stat_loggers import OTelStatLoggers
@@ -51,8 +50,8 @@ def hicache_patches(hooks: HiCacheHooks) -> list[tuple[Target, Wrapper]]:
         (Target(_TREE, "UnifiedRadixCache", "_handle_prefetch_result", ("operation",)), hooks.storage_prefetch),
         (Target(_TREE, "UnifiedRadixCache", "check_prefetch_progress", ("request",)), hooks.prefetch_progress),
         (Target(_TREE, "UnifiedRadixCache", "init_hicache"), hooks.init_hicache),
+        # the batch's split, its admissions (hicache.capacity.*, a traced request's split)
         (Target(_STATS, "PrefillStats", "from_adder", ("adder",)), hooks.prefill_batch),
-        (CAPACITY_TARGET, hooks.admission),  # hicache.capacity.* (and a traced request's split)
     ]
 
 

@@ -1,7 +1,8 @@
 """The cached-prefix split by tier as SGLang 0.5.23 computes it, for producers that hold SGLang-style match lengths.
 
-SGLang's own admission counters already carry the split (the instrumentor reads those); these helpers are for an
-engine built on SGLang's radix-cache shapes that wants the same ``device / host / storage`` attribution.
+SGLang's own admission counters already carry a batch's split (the instrumentor counts those); the instrumentor puts a
+traced request's own split on its span with these helpers, which also serve an engine built on SGLang's radix-cache
+shapes that wants the same ``device / host / storage`` attribution.
 
     >>> split_cached_prefix_by_tier(100, host_hit_len=40, storage_hit_len=10)
     (60, 30, 10)

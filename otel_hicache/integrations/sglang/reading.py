@@ -1,15 +1,14 @@
-"""What the wrappers read from SGLang's own objects: a request's span, the prefill adder's counters, the host pool's
-occupancy and bytes per token, a drop's arguments. Reads only; nothing here changes SGLang's state."""
+"""What the wrappers read from SGLang's own objects: a request's span and split, the prefill adder's counters, the
+host pool's occupancy and bytes per token, a drop's arguments. Reads only; nothing here changes SGLang's state."""
 
 from __future__ import annotations
 
-import operator
 import re
-from collections.abc import Callable
 from typing import Any, cast
 
 from opentelemetry.trace import Span
 
+from otel_hicache.integrations.sglang.prefix import prefix_split
 from otel_hicache.records import PoolUsage, PrefixSplit
 from otel_hicache.semconv import DEFAULT_POOL, DropReason, Tier
 
@@ -37,15 +36,20 @@ def drop_arguments(dropped_tokens: int, reason: str) -> tuple[int, DropReason]:
     return int(dropped_tokens), cast(DropReason, str(reason))
 
 
-def prefill_delta(
-    wrapped: Callable[..., Any], adder: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[PrefixSplit, int], Any]:
-    """Run ``wrapped``; return ((how much it moved the adder's prefill counters, the hits of counters we do not know:
-    mode ``other``), its result)."""
-    before = prefill_counts(adder)
-    result = wrapped(*args, **kwargs)
-    moved = tuple(map(operator.sub, prefill_counts(adder), before))
-    return (PrefixSplit(moved[0], moved[1], moved[2], moved[3]), moved[4]), result
+def request_split(req: Any) -> PrefixSplit:
+    """A request's own split at its admission, as SGLang's adder counts it (``_update_prefill_budget`` and
+    ``_account_prefill_cache_admission``): the input it runs (``extend_end - prefix_len``: a chunked request's first
+    chunk) and its cached prefix by tier (:func:`.prefix.prefix_split`, SGLang's ``split_cached_prefix_by_tier``)."""
+    if req.prefix_len <= 0:
+        return PrefixSplit(req.extend_end - req.prefix_len, 0, 0, 0)
+    return prefix_split(
+        req.extend_end,
+        req.prefix_len,
+        host_hit_len=req.materialized_host_hit_len(),
+        storage_hit_len=req.storage_hit_length,
+        storage_hit_start=req.storage_hit_start,
+        host_hit_is_storage=req.host_hit_is_storage,
+    )
 
 
 #: (adder class, how many attributes the adder has) -> the hit counters among them we do not know. SGLang adds an
@@ -54,7 +58,11 @@ def prefill_delta(
 _UNKNOWN_HITS: dict[tuple[type, int], tuple[str, ...]] = {}
 
 
-def prefill_counts(adder: Any) -> tuple[int, int, int, int, int]:
+#: (input, device, host, storage, other hit tokens)
+PrefillCounts = tuple[int, int, int, int, int]
+
+
+def prefill_counts(adder: Any) -> PrefillCounts:
     """(input, device, host, storage, other hit tokens) the adder has counted. A hit counter SGLang added (or
     renamed: the known one then reads 0) is summed into ``other``."""
     counters = adder.__dict__
