@@ -5,11 +5,12 @@ Run in each engine's venv::
     .venv-sglang/bin/python -m benchmarks.engine_capacity sglang
     .venv-vllm/bin/python -m benchmarks.engine_capacity vllm
 
-* **Scheduler thread**: the admission method wrapped as the instrumentor wraps it (wrapt, the failure-rule guard of
-  :mod:`otel_hicache.integrations._base`, our hook handing the request over), called on a real admitted request
-  (SGLang's ``Req`` from a real ``PrefillAdder`` admission; vLLM's ``Request`` with vLLM's own block hasher), minus the
-  same call of an unwrapped no-op standing in for the engine's method: what instrumenting adds per admission. Thread
-  CPU time, median of blocks.
+* **Scheduler thread**: vLLM: the admission method wrapped as the instrumentor wraps it (wrapt, the failure-rule guard
+  of :mod:`otel_hicache.integrations._base`, our hook handing the request over), called on a real admitted request
+  (vLLM's ``Request`` with vLLM's own block hasher), minus the same call of an unwrapped no-op standing in for the
+  engine's method: what instrumenting adds per admission. SGLang: what its batch's wrapper (``PrefillStats.from_adder``)
+  does per admitted request (a batch of one real ``Req`` from a real ``PrefillAdder`` admission, a request of its own
+  each time), and apart, what any wrapper costs per batch. Thread CPU time, median of blocks.
 * **Host process**: the telemetry host thread's work for one admitted 4,096-token request - its page keys (SGLang:
   hashed from its token ids, at page sizes 1 and 16; vLLM: its own block hashes, 16-token blocks) and the estimator's
   update - on a model warmed with 5,000 requests of a Zipf-over-documents workload (sampling at its fixed size).
@@ -18,6 +19,7 @@ Run in each engine's venv::
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import itertools
 import statistics
@@ -97,11 +99,26 @@ def sglang() -> list[str]:
     req.init_next_round_input(served.cache)
     adder = PrefillAdder(16, served.cache, served.allocator, None, 1.0, 1 << 20, None)
     hooks = CapacityHooks(ProcessSink(Engine.SGLANG, telemetry=telemetry))
-    hooks._start(adder)  # the feed exists from the first admission on
-    cost = _wrapped_cost(hooks.admitted, adder, (req, None, 0))
-    rows.append(_row("SGLang 0.5.23", "scheduler thread: `_commit_prefill_admission` wrapped", cost))
+    hooks.feed(adder)  # the feed exists from the first admission on
+    n, blocks = 2_000, 15
+    requests = [copy.copy(req) for _ in range(n * blocks * 2)]  # a request of its own per batch
+    for i, each in enumerate(requests):
+        each.rid = f"bench-{i}"
+    admitted = iter(requests)
+
+    def batch_of_one() -> None:
+        adder.can_run_list = [next(admitted)]
+
+    def admissions() -> None:
+        batch_of_one()
+        hooks.admissions(adder)
+
+    cost = _thread_ns(admissions, n, blocks) - _thread_ns(batch_of_one, n, blocks)
+    rows.append(_row("SGLang 0.5.23", "scheduler thread: in its batch's `from_adder` wrapper", cost))
     guard = _wrapped_cost(_passthrough, adder, (req, None, 0))
-    rows.append(_row("SGLang 0.5.23", "of which any wrapper of the instrumentor (wrapt + failure-rule guard)", guard))
+    rows.append(
+        _row("SGLang 0.5.23", "and per batch: any wrapper of the instrumentor (wrapt + failure-rule guard)", guard)
+    )
     served.close()
     for page in (1, 16):
         tiers = (TierCapacity(Tier.DEVICE, 1 << 20), TierCapacity(Tier.HOST, 1 << 21))
