@@ -29,11 +29,11 @@ Like every token-counted instrument, the curve is reported by one rank of each a
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity, page_keys
-from otel_hicache.integrations._base import MAX_PENDING, CapacityFeeder
+from otel_hicache.integrations._base import MAX_PENDING, CapacityFeeder, ProcessSink, Ranks
 from otel_hicache.semconv import Tier
 
 _WRITE_BACK = "write_back"
@@ -43,8 +43,8 @@ class CapacityHooks(CapacityFeeder):
     """What each prefill batch admitted, read from its list once per batch, fed to the process's capacity estimator
     (one per process: one scheduler, one tree)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, sink: ProcessSink, ranks: Callable[[], Ranks] | None = None) -> None:
+        super().__init__(sink, ranks)
         # The rids seen in a batch lately: a chunked request's chunks follow one another, each seen again refreshed.
         # Two generations of at most MAX_PENDING each, the older dropped whole (no per-entry bookkeeping).
         self._seen: set[str] = set()
