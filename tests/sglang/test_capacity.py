@@ -208,3 +208,23 @@ def test_a_chunked_request_is_one_admission_however_many_batches_its_chunks_take
     predicted = predictions(instrumented)
     assert predicted  # the request was fed
     assert set(predicted.values()) == {0.0}  # once: a prompt never seen before hits nothing at any size
+
+
+def test_a_new_request_reusing_a_finished_ones_rid_is_a_new_admission(instrumented: Sdk) -> None:
+    """A rid is not a request: SGLang's PD prefill server gets a retracted request's rebootstrap as a new ``Req`` with
+    the old rid, and clients may reuse their own rids once a request finished. Fed again, the same prompt hits."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+    from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
+
+    from otel_hicache.testing.sglang import build_hicache, make_request
+
+    cache, allocator, _ = build_hicache("write_through", kv_size=1024, page_size=PAGE)
+    prompt = list(range(1, 65))
+    for _ in range(2):
+        req = make_request(prompt, "reused")
+        req.init_next_round_input(cache)
+        adder = PrefillAdder(cache.page_size, cache, allocator, None, 1.0, 4096, None)
+        adder.add_one_req(req, False, None)
+        PrefillStats.from_adder(adder, running_reqs=[])
+
+    assert predictions(instrumented)["device", "inf"] > 0  # the second lookup of the prompt hit its pages

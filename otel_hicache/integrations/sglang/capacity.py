@@ -4,11 +4,12 @@ estimator (:mod:`otel_hicache.capacity`), page by page.
 The access stream is what SGLang's prefill batches admit: every request a batch admits, once, read where SGLang builds
 the batch's stats (``PrefillStats.from_adder``, wrapped once per batch: no wrapper runs per request) from the batch's
 list, ``adder.can_run_list`` (a chunked request's later chunks, also in that list, are not admissions: a request is fed
-the first time it is seen; a retracted request coming back is left out, as SGLang leaves it out of its own per-tier
-counters). On the scheduler thread each admitted request is only handed over to the telemetry's host thread (one ``put``
-on a bounded queue, two C calls); the page keys are computed there, from the request's prompt (``origin_input_ids``), a
-chain of hashes per SGLang page (:func:`otel_hicache.capacity.page_keys`, namespaced by the request's ``extra_key`` and
-``cache_salt`` as SGLang's ``RadixKey`` is). No token id leaves that thread; only the curve leaves the process.
+the first time a batch lists it; a retracted request coming back is left out, as SGLang leaves it out of its own
+per-tier counters). On the scheduler thread each admitted request is only handed over to the telemetry's host thread
+(one ``put`` on a bounded queue, two C calls); the page keys are computed there, from the request's prompt
+(``origin_input_ids``), a chain of hashes per SGLang page (:func:`otel_hicache.capacity.page_keys`, namespaced by the
+request's ``extra_key`` and ``cache_salt`` as SGLang's ``RadixKey`` is). No token id leaves that thread; only the curve
+leaves the process.
 
 What the model assumes of SGLang (``docs/sglang.md``):
 
@@ -29,40 +30,32 @@ Like every token-counted instrument, the curve is reported by one rank of each a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity, page_keys
-from otel_hicache.integrations._base import MAX_PENDING, CapacityFeeder, ProcessSink, Ranks
+from otel_hicache.integrations._base import CapacityFeeder
 from otel_hicache.semconv import Tier
 
 _WRITE_BACK = "write_back"
+#: Marks a request some batch has listed (on SGLang's ``Req``, which goes when the request does).
+_SEEN = "_otel_hicache_admitted"
 
 
 class CapacityHooks(CapacityFeeder):
     """What each prefill batch admitted, read from its list once per batch, fed to the process's capacity estimator
     (one per process: one scheduler, one tree)."""
 
-    def __init__(self, sink: ProcessSink, ranks: Callable[[], Ranks] | None = None) -> None:
-        super().__init__(sink, ranks)
-        # The rids seen in a batch lately: a chunked request's chunks follow one another, each seen again refreshed.
-        # Two generations of at most MAX_PENDING each, the older dropped whole (no per-entry bookkeeping).
-        self._seen: set[str] = set()
-        self._older: set[str] = set()
-
     def admissions(self, adder: Any) -> list[Any]:
-        """The requests ``adder``'s batch admitted (scheduler thread, once per batch): its list less those seen in
-        an earlier batch (a chunked request's next chunk); each that is not a retracted one coming back is fed to
-        the estimator."""
-        seen, older, admitted = self._seen, self._older, []
+        """The requests ``adder``'s batch admitted (scheduler thread, once per batch): its list less those an earlier
+        batch listed (a chunked request's next chunk: the same ``Req``, marked when first seen; a new ``Req`` reusing
+        a finished one's rid is a new admission); each that is not a retracted one coming back is fed to the
+        estimator."""
+        admitted = []
         for req in adder.can_run_list:
-            rid = req.rid
-            if rid not in seen:
-                seen.add(rid)
-                if rid not in older:
-                    admitted.append(req)
-        if len(seen) > MAX_PENDING:
-            self._older, self._seen = seen, set()
+            if not getattr(req, _SEEN, False):
+                setattr(req, _SEEN, True)
+                admitted.append(req)
         if admitted:
             feed = self.feed(adder)
             if feed is not None:

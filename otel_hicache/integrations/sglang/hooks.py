@@ -314,20 +314,21 @@ class HiCacheHooks(EngineHooks):
         counts = prefill_counts(adder)
         if any(counts):
             self._count_prefill(counts)
+        if self._storage_waits:
+            self._end_storage_waits(adder.can_run_list)
         admitted = self._capacity.admissions(adder)
         if admitted:
             self._split_on_spans(admitted)
-        if self._storage_waits:
-            self._end_storage_waits(adder.can_run_list)
         return result
 
     def _split_on_spans(self, admitted: list[Any]) -> None:
-        """Each traced request's own split on its span, while it is open (counted with its batch)."""
+        """Each traced request's own split on its span, while it is open (counted with its batch); a retracted one
+        coming back keeps its first admission's (SGLang counts no hits for it)."""
         telemetry = self.telemetry
         if telemetry is None:
             return
         for req in admitted:
-            span = request_span(req)
+            span = None if req.retracted_stain else request_span(req)
             if span is not None:
                 telemetry.record_prefix_split(request_split(req), request_span=span, counted=True)
 
