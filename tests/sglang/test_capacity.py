@@ -12,6 +12,7 @@ the tier holds the whole cycle).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -61,12 +62,20 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def serve(policy: str, device: int, host: int, prompts: list[list[int]]) -> PrefixSplit:
+@contextlib.contextmanager
+def serving(policy: str, device: int, host: int) -> Iterator[Served]:
+    """A served cache, closed at the end. Predictions are read while it lives: the host tier is sized by its pool's
+    reading, which goes with the cache (as in a server, where the cache lives as long as the process)."""
     served = Served(policy, device, host, page_size=PAGE)
     try:
-        return served.serve(prompts)
+        yield served
     finally:
         served.close()
+
+
+def serve(policy: str, device: int, host: int, prompts: list[list[int]]) -> PrefixSplit:
+    with serving(policy, device, host) as served:
+        return served.serve(prompts)
 
 
 def observed(split: PrefixSplit, tier: str) -> float:
@@ -94,8 +103,9 @@ def test_each_prediction_is_what_rerunning_sglang_at_that_size_observes(
     workload: str, policy: str, instrumented: Sdk, one_thread: None
 ) -> None:
     prompts = list(itertools.islice(WORKLOADS[workload](), REQUESTS))
-    today = serve(policy, DEVICE, HOST, prompts)
-    predicted = predictions(instrumented)
+    with serving(policy, DEVICE, HOST) as served:
+        today = served.serve(prompts)
+        predicted = predictions(instrumented)
     assert {tier for tier, _ in predicted} == {"device", "host"}
     assert {factor for _, factor in predicted} == set(sc.CAPACITY_FACTORS)
 
@@ -118,8 +128,9 @@ def test_the_curve_is_fed_once_per_admitted_request_and_retracted_requests_are_l
     """Served twice, a prompt is one cold lookup then one hit: the ceiling is the share of the second (its full pages;
     SGLang's own split says the same of the device)."""
     prompt = list(range(1, 10 * PAGE + 5))  # 10 full pages and a partial one
-    split = serve("write_through", DEVICE, HOST, [prompt, prompt])
-    predicted = predictions(instrumented)
+    with serving("write_through", DEVICE, HOST) as served:
+        split = served.serve([prompt, prompt])
+        predicted = predictions(instrumented)
     paged = 10 * PAGE / (2 * len(prompt))
     assert predicted["device", "inf"] == pytest.approx(paged)
     assert predicted["device", "1"] == pytest.approx(paged)
@@ -166,10 +177,11 @@ def test_a_scheduler_exports_the_curve_of_both_tiers_over_otlp(cpu_sglang: Any, 
         instrumentor = SGLangHiCacheInstrumentor()
         instrumentor.instrument(telemetry=setup.telemetry, stat_loggers=False)
         try:
-            serve("write_through", DEVICE, HOST, list(itertools.islice(WORKLOADS["documents"](), 200)))
-            setup.telemetry.snapshot()  # every lookup is in the model
-            setup.force_flush()
-            assert receiver.wait_for(lambda: set(exported()) == expected, timeout_s=30)
+            with serving("write_through", DEVICE, HOST) as served:
+                served.serve(list(itertools.islice(WORKLOADS["documents"](), 200)))
+                setup.telemetry.snapshot()  # every lookup is in the model
+                setup.force_flush()
+                assert receiver.wait_for(lambda: set(exported()) == expected, timeout_s=30)
         finally:
             instrumentor.uninstrument()
             setup.shutdown()

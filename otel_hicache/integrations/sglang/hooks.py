@@ -33,13 +33,13 @@ from otel_hicache.integrations._base import (
 from otel_hicache.integrations.sglang.ack_queues import LOAD, QUEUE, WRITE, AckQueue, AckReporter, Links
 from otel_hicache.integrations.sglang.capacity import CapacityHooks
 from otel_hicache.integrations.sglang.eviction import READ, AccessClock, Evictions, full_tokens, radix_node
+from otel_hicache.integrations.sglang.prefix import request_split
 from otel_hicache.integrations.sglang.reading import (
     PrefillCounts,
     drop_arguments,
     host_pool_usage,
     prefill_counts,
     request_span,
-    request_split,
     size_per_token,
 )
 from otel_hicache.integrations.sglang.self_check import SelfCheck
@@ -307,7 +307,7 @@ class HiCacheHooks(EngineHooks):
         counters (so the sums agree with SGLang's ``prefill_effective_tokens_total``: input minus retracted re-counts,
         hits of non-retracted requests), on the host thread; the requests it admitted are fed to the capacity
         estimator (:mod:`.capacity`), and with SGLang's request tracing on each one's own split goes on its span
-        (:func:`.reading.request_split`); and the KV wait a storage prefetch held each of its requests for ends here."""
+        (:func:`.prefix.request_split`); and the KV wait a storage prefetch held each of its requests for ends here."""
         result = wrapped(*args, **kwargs)
         adder = args[0] if args else kwargs["adder"]
         self._clock.sample()

@@ -12,6 +12,8 @@ shapes that wants the same ``device / host / storage`` attribution.
 
 from __future__ import annotations
 
+from typing import Any
+
 from otel_hicache.records import PrefixSplit
 
 
@@ -60,3 +62,19 @@ def prefix_split(
         prefix_len, host_hit_len, storage_hit_len, storage_hit_start, host_hit_is_storage
     )
     return PrefixSplit(input_tokens=input_len - prefix_len, device_hit=device, host_hit=host, storage_hit=storage)
+
+
+def request_split(req: Any) -> PrefixSplit:
+    """A request's own split at its admission, as SGLang's adder counts it (``_update_prefill_budget`` and
+    ``_account_prefill_cache_admission``): the input it runs (``extend_end - prefix_len``: a chunked request's first
+    chunk) and its cached prefix by tier (:func:`prefix_split`, SGLang's ``split_cached_prefix_by_tier``)."""
+    if req.prefix_len <= 0:
+        return PrefixSplit(req.extend_end - req.prefix_len, 0, 0, 0)
+    return prefix_split(
+        req.extend_end,
+        req.prefix_len,
+        host_hit_len=req.materialized_host_hit_len(),
+        storage_hit_len=req.storage_hit_length,
+        storage_hit_start=req.storage_hit_start,
+        host_hit_is_storage=req.host_hit_is_storage,
+    )

@@ -1,4 +1,4 @@
-"""What the wrappers read from SGLang's own objects: a request's span and split, the prefill adder's counters, the
+"""What the wrappers read from SGLang's own objects: a request's span, the prefill adder's counters, the
 host pool's occupancy and bytes per token, a drop's arguments. Reads only; nothing here changes SGLang's state."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from typing import Any, cast
 
 from opentelemetry.trace import Span
 
-from otel_hicache.integrations.sglang.prefix import prefix_split
-from otel_hicache.records import PoolUsage, PrefixSplit
+from otel_hicache.records import PoolUsage
 from otel_hicache.semconv import DEFAULT_POOL, DropReason, Tier
 
 #: The prefill adder's counters we know, by prefill mode (SGLang counts each admission's tokens into them).
@@ -34,22 +33,6 @@ def drop_arguments(dropped_tokens: int, reason: str) -> tuple[int, DropReason]:
     """``_record_dropped_tokens(dropped_tokens, reason)``'s arguments, as given by name or position."""
     # a reason this release added is counted by the core as "other" (and noted), every time
     return int(dropped_tokens), cast(DropReason, str(reason))
-
-
-def request_split(req: Any) -> PrefixSplit:
-    """A request's own split at its admission, as SGLang's adder counts it (``_update_prefill_budget`` and
-    ``_account_prefill_cache_admission``): the input it runs (``extend_end - prefix_len``: a chunked request's first
-    chunk) and its cached prefix by tier (:func:`.prefix.prefix_split`, SGLang's ``split_cached_prefix_by_tier``)."""
-    if req.prefix_len <= 0:
-        return PrefixSplit(req.extend_end - req.prefix_len, 0, 0, 0)
-    return prefix_split(
-        req.extend_end,
-        req.prefix_len,
-        host_hit_len=req.materialized_host_hit_len(),
-        storage_hit_len=req.storage_hit_length,
-        storage_hit_start=req.storage_hit_start,
-        host_hit_is_storage=req.host_hit_is_storage,
-    )
 
 
 #: (adder class, how many attributes the adder has) -> the hit counters among them we do not know. SGLang adds an
