@@ -1,5 +1,5 @@
-"""What the wrappers read from SGLang's own objects: a request's span, the prefill adder's counters, the
-host pool's occupancy and bytes per token, a drop's arguments. Reads only; nothing here changes SGLang's state."""
+"""What the wrappers read from SGLang's own objects: a request's span, the prefill adder's counters, the host pool's
+occupancy and bytes per token, a drop's arguments. Reads only; nothing here changes SGLang's state."""
 
 from __future__ import annotations
 
