@@ -122,9 +122,7 @@ def test_each_prediction_is_what_rerunning_sglang_at_that_size_observes(
         assert predicted["device", "1"] == 0.0 < predicted["device", "2"]
 
 
-def test_the_curve_is_fed_once_per_admitted_request_and_retracted_requests_are_left_out(
-    instrumented: Sdk, one_thread: None
-) -> None:
+def test_the_curve_is_fed_once_per_admitted_request(instrumented: Sdk, one_thread: None) -> None:
     """Served twice, a prompt is one cold lookup then one hit: the ceiling is the share of the second (its full pages;
     SGLang's own split says the same of the device)."""
     prompt = list(range(1, 10 * PAGE + 5))  # 10 full pages and a partial one
@@ -140,18 +138,18 @@ def test_the_curve_is_fed_once_per_admitted_request_and_retracted_requests_are_l
 def test_retracted_requests_are_not_lookups(instrumented: Sdk, one_thread: None, cpu_sglang: Any) -> None:
     """A retracted request coming back is not counted by SGLang's per-tier counters, nor by the estimator."""
     from sglang.srt.managers.schedule_policy import PrefillAdder
+    from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
 
-    served = Served("write_through", DEVICE, HOST, page_size=PAGE)
-    try:
+    from otel_hicache.testing.sglang import make_request
+
+    with serving("write_through", DEVICE, HOST) as served:
         served.serve([list(range(1, 4 * PAGE + 1))])
-        from otel_hicache.testing.sglang import make_request
-
         retracted = make_request(list(range(1, 4 * PAGE + 1)), "retracted", retracted=True)
         retracted.init_next_round_input(served.cache)
-        PrefillAdder(PAGE, served.cache, served.allocator, None, 1.0, 1 << 20, None).add_one_req(retracted, False, None)
-    finally:
-        served.close()
-    predicted = predictions(instrumented)
+        adder = PrefillAdder(PAGE, served.cache, served.allocator, None, 1.0, 1 << 20, None)
+        adder.add_one_req(retracted, False, None)
+        PrefillStats.from_adder(adder, running_reqs=[])  # its batch's stats, as the scheduler builds them
+        predicted = predictions(instrumented)
     assert predicted["device", "inf"] == 0.0  # one lookup only: the first, cold
 
 
