@@ -30,6 +30,7 @@ pytestmark = pytest.mark.sglang
 
 APP = Path(__file__).with_name("topology_app.py")
 TOKENS = 20  # what each rank backs up and loads back (topology_app.TOKENS)
+NEW = 8  # the admitted prompt's tokens past that prefix (topology_app.NEW)
 BACKUP, LOAD_BACK = sc.TransferOperation.BACKUP.value, sc.TransferOperation.LOAD_BACK.value
 
 
@@ -122,7 +123,22 @@ def test_two_tp_schedulers_report_once_with_their_ranks_and_a_sigkilled_one_lose
     assert rank0.points(sc.METRIC_TRANSFER_TOKENS) == {(BACKUP, "kv"): TOKENS, (LOAD_BACK, "kv"): TOKENS}
     assert rank0.points(sc.METRIC_EVICTION_TOKENS) == {("False", "device"): TOKENS}  # inserted once: not reused
     assert rank0.points(sc.METRIC_POOL_LIMIT)  # the host pool's size, in tokens
-    for name in (sc.METRIC_TRANSFER_TOKENS, sc.METRIC_EVICTION_TOKENS, sc.METRIC_POOL_USAGE, sc.METRIC_POOL_LIMIT):
+    # The prefill batch (each rank's one wrapper of it, `PrefillStats.from_adder`): its split, and the capacity curve
+    # of both tiers at every factor, from rank 0 only.
+    assert rank0.points(sc.METRIC_PREFILL_TOKENS) == {("input",): NEW, ("device_hit",): TOKENS}
+    curve = rank0.metrics[sc.METRIC_CAPACITY_HIT_RATIO].gauge.data_points
+    tiers_and_factors = {
+        (a[sc.ATTR_TIER], a[sc.ATTR_CAPACITY_FACTOR]) for a in (attributes(p.attributes) for p in curve)
+    }
+    assert tiers_and_factors == {(tier, factor) for tier in ("device", "host") for factor in sc.CAPACITY_FACTORS}
+    for name in (
+        sc.METRIC_TRANSFER_TOKENS,
+        sc.METRIC_EVICTION_TOKENS,
+        sc.METRIC_POOL_USAGE,
+        sc.METRIC_POOL_LIMIT,
+        sc.METRIC_PREFILL_TOKENS,
+        sc.METRIC_CAPACITY_HIT_RATIO,
+    ):
         assert name not in rank1.metrics, name
     # Bytes are per rank: each rank moved its own shard (here the same size), and the SIGKILLed rank's last window
     # (its load back, never flushed by the process) arrived from its export process.

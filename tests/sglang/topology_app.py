@@ -4,8 +4,8 @@ The launcher (this file's ``__main__``) does what ``sglang.srt.entrypoints.engin
 process per TP rank with the ``spawn`` start method and never imports SGLang itself. Each scheduler does what
 ``run_scheduler_process`` does first: ``load_plugins()``, then publish its ranks and build SGLang's parallel groups
 (gloo), then runs SGLang's real UnifiedRadixCache with HiCache: a backup, then an eviction and a load back, the TP
-ranks agreeing on completed acks through the group. Any telemetry comes from our ``sglang.srt.plugins`` entry point
-and the ``OTEL_*`` environment.
+ranks agreeing on completed acks through the group, then a prefill batch admitting a prompt on that prefix. Any
+telemetry comes from our ``sglang.srt.plugins`` entry point and the ``OTEL_*`` environment.
 
 Protocol (one JSON line per event on stdout): each scheduler reports ``counted`` once its second step is counted;
 the launcher prints which of ``sglang`` / ``torch`` it imported, SIGKILLs rank 1 with SGLang's ``kill_process_tree``
@@ -23,6 +23,7 @@ from typing import Any
 
 WORLD = 2
 TOKENS = 20
+NEW = 8  # the admitted prompt's tokens past the cached prefix
 
 
 def scheduler(rank: int, init_method: str, conn: Any) -> None:
@@ -54,9 +55,25 @@ def scheduler(rank: int, init_method: str, conn: Any) -> None:
     assert cache.load_back(match.best_match_node)
     cache.ready_to_load_host_cache()
     cache.loading_check()  # host -> device load back: the last window, never flushed by this process
-    telemetry.snapshot()  # returns once the deferred ack records are counted
+    admit(cache, allocator, list(range(1, TOKENS + NEW + 1)))  # a prompt on the loaded-back prefix: a device hit
+    telemetry.snapshot()  # returns once the deferred records (acks, the batch split, the capacity feed) are counted
     conn.send("counted")
     conn.recv()  # rank 0 is told to exit; rank 1 is killed while waiting here
+
+
+def admit(cache: Any, allocator: Any, tokens: list[int]) -> None:
+    """One prefill batch of one request, admitted by SGLang's ``PrefillAdder`` and its stats built as the scheduler
+    builds them (``PrefillStats.from_adder``), on every rank (TP ranks admit the same batches)."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
+
+    from otel_hicache.testing.sglang import make_request
+
+    req = make_request(tokens, "topology")
+    req.init_next_round_input(cache)
+    adder = PrefillAdder(cache.page_size, cache, allocator, None, 1.0, 1 << 20, None)
+    assert adder.add_one_req(req, False, None) is AddReqResult.CONTINUE
+    PrefillStats.from_adder(adder, running_reqs=[])
 
 
 def main() -> None:
