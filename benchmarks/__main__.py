@@ -27,6 +27,8 @@ def _command(args: argparse.Namespace, name: str) -> str:
         parts += ["--soak-seconds", f"{args.soak_seconds:g}"]
     if name == "soak" and args.soak_rate is not None:
         parts += ["--soak-rate", f"{args.soak_rate:g}"]
+    if name == "sglang" and args.time_builds:
+        parts.append("--time-builds")
     if name == "loop" and args.rates is not None:
         parts += ["--rates", ",".join(f"{r:g}" for r in args.rates)]
     return " ".join(parts)
@@ -76,7 +78,7 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[], Table | None]:
         return lambda: vllm_serving.run_here(args.smoke, command)
     from benchmarks import sglang_path
 
-    return lambda: sglang_path.run(args.smoke, command)
+    return lambda: sglang_path.run(args.smoke, command, args.time_builds)
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -100,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--soak-rate", type=float, default=None, help="paced transfers per second (default 2000)")
     parser.add_argument(
         "--rates", type=_rates, default=None, help="loop: transfers per second, comma-separated (default 200,1000)"
+    )
+    parser.add_argument(
+        "--time-builds",
+        action="store_true",
+        help="sglang: also time each record the host thread builds (two thread-clock reads more per record)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda":

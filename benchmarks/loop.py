@@ -28,6 +28,7 @@ from typing import Any
 
 from benchmarks._collector import CollectorProcess
 from benchmarks._common import Table, flush_cpu_ns, median, percentile
+from benchmarks._rounds import RoundTimer
 from benchmarks.ackpath import (
     BACKUP,
     LOAD_BACK,
@@ -39,7 +40,7 @@ from benchmarks.ackpath import (
     SyntheticAckPath,
 )
 from otel_hicache import semconv as sc
-from otel_hicache._internal.host.worker import DEFERRED_TICK_S, HOST_THREAD_NAME
+from otel_hicache._internal.host.worker import DEFERRED_TICK_S
 from otel_hicache.sdk import configure
 from otel_hicache.timing import make_timing_event_pair
 
@@ -154,41 +155,6 @@ class _Block:
     rounds: list[tuple[int, int, int]]  # (CPU, wall, CPU in collections) of each host-thread round in the block
 
 
-class _RoundTimer:
-    """Times each round of the telemetry's host thread from the holder's side: a round starts when the thread has
-    the GIL back (its wait or pause returned) and ends when it pauses. Its CPU time is the work it did holding the
-    GIL (collections it triggered included, and timed apart: a collection runs on whichever thread's allocation
-    crosses the threshold); its wall time adds any time the OS preempted it meanwhile."""
-
-    def __init__(self, telemetry: Any) -> None:
-        self.rounds: list[tuple[int, int, int]] = []  # (CPU, wall, CPU in collections)
-        host = telemetry._host  # the telemetry's HostWorker: its thread calls host.work(state) each round
-        work, rounds = host.work, self.rounds
-        wall, cpu = time.perf_counter_ns, time.thread_time_ns
-        collected = self._collected = [0, 0]  # host-thread CPU in collections so far, start of the current one
-
-        def timed(state: dict[str, float]) -> float | None:
-            w0, c0, g0 = wall(), cpu(), collected[0]
-            try:
-                return work(state)
-            finally:
-                rounds.append((cpu() - c0, wall() - w0, collected[0] - g0))
-
-        host.work = timed
-        gc.callbacks.append(self._on_collection)
-
-    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
-        if threading.current_thread().name != HOST_THREAD_NAME:
-            return
-        if phase == "start":
-            self._collected[1] = time.thread_time_ns()
-        else:
-            self._collected[0] += time.thread_time_ns() - self._collected[1]
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._on_collection)
-
-
 class _ControlThread:
     """The machine's floor for the host-thread measure: a background thread of the same process that wakes on the
     host thread's tick and runs a fixed, tiny pure-Python job (~10 us warm), timed the same way (CPU per wake).
@@ -248,7 +214,7 @@ def _run(params: Params, device: str, command: str) -> Table:
     collector = CollectorProcess()
     setup = configure(endpoint=collector.grpc_endpoint, protocol="grpc", service_name="bench-loop")
     events = EventPool(device, 4)
-    timer = _RoundTimer(setup.telemetry)
+    timer = RoundTimer(setup.telemetry)
     control = _ControlThread()
     paths = [
         _Path(OFF, None),
@@ -294,7 +260,7 @@ def _shape(params: Params, pools: _Pools, rate: float, per_us: float) -> _Shape:
     return _Shape(rate, k, chunks, max(1, round(rate * params.block_s)))
 
 
-def _block(path: _Path, pools: _Pools, shape: _Shape, steps: int, timer: _RoundTimer | None = None) -> _Block:
+def _block(path: _Path, pools: _Pools, shape: _Shape, steps: int, timer: RoundTimer | None = None) -> _Block:
     """Runs ``steps`` scheduler steps of one transfer each, then the path's flush (not timed as a step)."""
     ack_path = SyntheticAckPath(path.reporter)
     perf_ns, cpu_ns, thread_ns = time.perf_counter_ns, time.process_time_ns, time.thread_time_ns

@@ -72,9 +72,10 @@ class Params:
         return cls(reps=1, batches_per_block=2, batch=4)
 
 
-def run(smoke: bool, command: str) -> Table | None:
+def run(smoke: bool, command: str, time_builds: bool = False) -> Table | None:
+    """``time_builds``: time each record the host thread builds too (its figures then hold those clock reads)."""
     if importlib.util.find_spec("sglang") is None:
-        return _run_elsewhere(smoke, command)
+        return _run_elsewhere(smoke, command, time_builds)
     import torch
 
     # One intra-op thread: the CPU shim's copies would otherwise leave OpenMP workers spinning, process CPU that
@@ -82,12 +83,12 @@ def run(smoke: bool, command: str) -> Table | None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(Params.smoke() if smoke else Params(), command)
+        return _run(Params.smoke() if smoke else Params(), command, time_builds)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_elsewhere(smoke: bool, command: str) -> Table | None:
+def _run_elsewhere(smoke: bool, command: str, time_builds: bool) -> Table | None:
     if not SGLANG_VENV_PYTHON.exists():
         print(
             "benchmarks sglang: skipped: sglang is not importable here and .venv-sglang does not exist "
@@ -97,7 +98,8 @@ def _run_elsewhere(smoke: bool, command: str) -> Table | None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "sglang.json")
-        argv = [str(SGLANG_VENV_PYTHON), "-m", "benchmarks", "sglang", "--json", out, *(["--smoke"] if smoke else [])]
+        flags = [*(["--smoke"] if smoke else []), *(["--time-builds"] if time_builds else [])]
+        argv = [str(SGLANG_VENV_PYTHON), "-m", "benchmarks", "sglang", "--json", out, *flags]
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
         if proc.returncode not in (0, 1) or not os.path.exists(out):
             print(
@@ -111,7 +113,7 @@ def _run_elsewhere(smoke: bool, command: str) -> Table | None:
         return None
     table = Table(**tables[0])
     table.notes = [n for n in table.notes if not n.startswith("Ran in ")]  # the caller adds its own
-    table.command = f".venv-sglang/bin/python -m benchmarks sglang{' --smoke' if smoke else ''}"
+    table.command = f".venv-sglang/bin/python -m benchmarks sglang{''.join(' ' + flag for flag in flags)}"
     return table
 
 
@@ -139,6 +141,8 @@ class _Stats:
     admit_ns: list[float] = field(default_factory=list)  # one request's admission (+ its metrics), per step
     host_ns: list[float] = field(default_factory=list)  # host-process CPU per ack, per block
     host_thread_ns: list[float] = field(default_factory=list)  # otel_hicache's host thread's CPU per ack, per block
+    rounds: list[float] = field(default_factory=list)  # ... its rounds per ack, per block
+    round_cpu_ns: list[float] = field(default_factory=list)  # ... its CPU inside those rounds per ack, per block
     export_ns: list[float] = field(default_factory=list)  # the export process's CPU per ack, per block
     receiver_ns: list[float] = field(default_factory=list)  # the OTLP receiver's CPU per ack, per block
     acks: int = 0
@@ -253,7 +257,7 @@ def _thread_cpu_ns(pid: int, tid: int) -> int:
         return 0
 
 
-def _run(params: Params, command: str) -> Table:
+def _run(params: Params, command: str, time_builds: bool) -> Table:
     import logging
     from urllib.parse import urlparse
 
@@ -270,12 +274,15 @@ def _run(params: Params, command: str) -> Table:
 
     from benchmarks._collector import CollectorProcess
     from benchmarks._common import flush_cpu_ns
+    from benchmarks._rounds import RoundTimer, wake_cpu_ns
     from benchmarks.ackpath import NaiveOtelReporter
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
     from otel_hicache.sdk import configure
 
     collector = CollectorProcess()
     otlp = configure(endpoint=collector.grpc_endpoint, protocol="grpc", service_name="bench-sglang")
+    wake_floor = wake_cpu_ns()  # before the receiver, the export process or any block is busy
+    timer = RoundTimer(otlp.telemetry, builds=time_builds)
     placement = _Placement(collector.pid)
     prom = RadixCacheMetricsCollector(
         labels={"cache_type": "UnifiedRadixCache", "tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
@@ -335,7 +342,7 @@ def _run(params: Params, command: str) -> Table:
         cc = cache.cache_controller
         clock, check = time.thread_time_ns, cache.writing_check
         e0, r0, p0 = _cpu_ns(placement.export_pid), _cpu_ns(placement.receiver_pid), time.process_time_ns()
-        t0 = _host_thread_cpu_ns()
+        t0, first_round = _host_thread_cpu_ns(), len(timer.rounds)
         acks = 0
         try:
             for _ in range(params.batches_per_block):
@@ -388,6 +395,9 @@ def _run(params: Params, command: str) -> Table:
             if record and acks:
                 stats.host_ns.append(cpu / acks)
                 stats.host_thread_ns.append((_host_thread_cpu_ns() - t0) / acks)
+                rounds = timer.rounds[first_round:]
+                stats.rounds.append(len(rounds) / acks)
+                stats.round_cpu_ns.append(sum(cpu for cpu, _, _ in rounds) / acks)
                 stats.export_ns.append((_cpu_ns(placement.export_pid) - e0) / acks)
                 stats.receiver_ns.append((_cpu_ns(placement.receiver_pid) - r0) / acks)
         finally:
@@ -399,6 +409,7 @@ def _run(params: Params, command: str) -> Table:
             for path in paths:
                 block(path, UNPINNED, pattern, record=False)
         placement.find_export_process(urlparse(collector.grpc_endpoint).port or 0)
+        timer.builds.clear()  # the records of the measured blocks only
         wheres = placement.names()
         for rep in range(params.reps):
             for where in wheres[rep % len(wheres) :] + wheres[: rep % len(wheres)]:
@@ -412,6 +423,7 @@ def _run(params: Params, command: str) -> Table:
     finally:
         if instrumentor.is_instrumented_by_opentelemetry:
             instrumentor.uninstrument()
+        timer.close()
         otlp.shutdown()
         collector.close()
     by = {p.name: p for p in paths}
@@ -429,7 +441,7 @@ def _run(params: Params, command: str) -> Table:
         "prometheus_client backup tokens == tokens backed up": prom_tokens == tokens(PROMETHEUS),
         "otel_hicache backup tokens == tokens backed up": ours == tokens(OURS),
     }
-    return _table(paths, params, checks, command, placement)
+    return _table(paths, params, checks, command, placement, wake_floor, timer.builds)
 
 
 def _prom_total(collector: Any, name: str) -> float:
@@ -445,7 +457,17 @@ def _ratio(ours: float, theirs: float) -> float:
     return ours / theirs if theirs > 0 else float("nan")
 
 
-def _table(paths: list[_Path], params: Params, checks: dict[str, bool], command: str, placement: _Placement) -> Table:
+def _table(
+    paths: list[_Path],
+    params: Params,
+    checks: dict[str, bool],
+    command: str,
+    placement: _Placement,
+    wake_floor: float,
+    builds: dict[str, tuple[list[int], list[int]]],
+) -> Table:
+    from otel_hicache._internal.host.worker import PAUSE_S
+
     table = Table(
         key="sglang",
         title="1b. The scheduler thread's whole cost per merged transfer on the real SGLang 0.5.23 HiCache path (CPU)",
@@ -464,6 +486,8 @@ def _table(paths: list[_Path], params: Params, checks: dict[str, bool], command:
             "x prometheus_client, consumption",
             "host-process CPU/transfer added (ns)",
             "of which otel_hicache's host thread (ns/transfer)",
+            "host-thread rounds/transfer",
+            "host thread between rounds (ns/transfer)",
             "export process CPU/transfer (ns)",
             "receiver CPU/transfer (ns)",
         ],
@@ -506,6 +530,8 @@ def _table(paths: list[_Path], params: Params, checks: dict[str, bool], command:
                         "-" if first else _ratio(check, prom[1]),
                         "-" if first else host,
                         median(s.host_thread_ns) if p.name == OURS else "-",
+                        median(s.rounds) if p.name == OURS else "-",
+                        median(s.host_thread_ns) - median(s.round_cpu_ns) if p.name == OURS else "-",
                         median(s.export_ns),
                         median(s.receiver_ns),
                     ]
@@ -525,6 +551,8 @@ def _table(paths: list[_Path], params: Params, checks: dict[str, bool], command:
                     "ratio_consumption": _ratio(check, prom[1]),
                     "host_cpu_added": host,
                     "host_thread_cpu": median(s.host_thread_ns),
+                    "host_thread_rounds": median(s.rounds),
+                    "host_thread_between_rounds": median(s.host_thread_ns) - median(s.round_cpu_ns),
                     "export_cpu": median(s.export_ns),
                     "receiver_cpu": median(s.receiver_ns),
                 }
@@ -548,6 +576,11 @@ def _table(paths: list[_Path], params: Params, checks: dict[str, bool], command:
             )
     table.data["goals"] = goals
     table.data["export_process_found"] = placement.export_pid is not None
+    table.data["wake_floor_ns"] = wake_floor
+    table.data["builds"] = {
+        name: {"first": len(first), "later": len(later), "first_p50_ns": median(first), "later_p50_ns": median(later)}
+        for name, (first, later) in builds.items()
+    }
     table.notes += [
         f"{params.reps} interleaved repetitions x {params.batches_per_block} batches x {params.batch} steps per "
         f"path, call pattern and placement (one {params.seq_tokens}-token sequence per step, page 16, 2 layers); a "
@@ -577,7 +610,25 @@ def _table(paths: list[_Path], params: Params, checks: dict[str, bool], command:
         "per step, so this column is noisy). Of which otel_hicache's host thread = that thread's own CPU "
         "(/proc/self/task/TID/schedstat) over the same block and flush, per transfer: not a difference of two "
         "paths, so the steadiest figure of what the host thread builds (records, capacity lookups, prefill splits). "
-        "export process / receiver CPU = their own threads' CPU "
+        "Host-thread rounds/transfer: how many rounds that thread ran over the block and flush (each round timed "
+        "from the holder's side, benchmarks._rounds.RoundTimer), per transfer; 'between rounds' = its CPU outside "
+        "them: waking from each pause or tick and waiting for the GIL after it (the kernel's part, and the loop's "
+        f"few lines). The floor of one wake on this machine, same run: a thread sleeping {PAUSE_S * 1e3:g} ms in a "
+        f"loop, the process otherwise idle, is charged {wake_floor / 1e3:.1f} us of CPU per sleep. The round timing "
+        "reads two clocks per round, inside the host thread's figure. "
+        + (
+            "With --time-builds, each record the host thread builds timed on it (thread CPU, two clock reads more "
+            "per record, in its figure too; every placement and pattern), median for a round's first record / for "
+            "the later ones (their counts): "
+            + "; ".join(
+                f"{name} {median(first) / 1e3:.1f} / {median(later) / 1e3:.1f} us ({len(first):,} / {len(later):,})"
+                for name, (first, later) in sorted(builds.items())
+            )
+            + ". "
+            if builds
+            else ""
+        )
+        + "export process / receiver CPU = their own threads' CPU "
         "(/proc/PID/task/*/schedstat) over "
         "the same block and flush, per transfer: otel_hicache builds and exports spans and metrics in its export "
         "process (a separate process: not in the host's column); the OTLP receiver stands in for the collector."

@@ -19,11 +19,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(tmp_path: Path, *names: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def _run(
+    tmp_path: Path, *names: str, flags: tuple[str, ...] = ()
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path / "results.json"
     md = tmp_path / "results.md"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", *names, "--smoke", "--json", str(out), "--markdown", str(md)],
+        [sys.executable, "-m", "benchmarks", *names, "--smoke", *flags, "--json", str(out), "--markdown", str(md)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -125,7 +127,7 @@ def test_cli_rejects_an_unknown_benchmark() -> None:
 @pytest.mark.sglang
 def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_placement(tmp_path: Path) -> None:
     pytest.importorskip("sglang")
-    _, tables = _run(tmp_path, "sglang")
+    _, tables = _run(tmp_path, "sglang", flags=("--time-builds",))
     table = tables["sglang"]
     assert all(table["checks"].values()), table["checks"]
     data = table["data"]
@@ -147,6 +149,12 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
             assert "receiver_cpu" in values
             if name.endswith("/otel_hicache instrumentor, OTLP"):  # its host thread's own CPU, found by name
                 assert _sane(values["host_thread_cpu"]) and values["host_thread_cpu"] > 0, name
+                assert values["host_thread_rounds"] > 0, name  # its rounds, counted from the holder's side
+    # one wake of an idle thread costs some CPU; with --time-builds every kind of record the host thread builds is
+    # timed on it
+    assert data["wake_floor_ns"] > 0
+    assert set(data["builds"]) == {"AckReporter.record", "CapacityFeed.build", "HiCacheHooks._counted_prefill"}
+    assert all(timed["first"] > 0 for timed in data["builds"].values())
 
 
 @pytest.mark.skipif(
