@@ -44,9 +44,10 @@ API, each name importable from ``otel_hicache`` (``help(otel_hicache.<name>)`` s
         .record_kv_wait(wait, request_span=None) a KvWait: how long a prefill waited for its KV from a tier
         .record_prefix_split(split, request_span=None, *, other_hit=0)
                                                  a PrefixSplit: where a prefill's tokens came from
+        .record_prefix_splits(rows)              many at once: (input, device, host, storage, other hit) rows
         .add_pool_usage_source(source)           a callable returning PoolUsage values, read about once a second
-        .record_transfer_at(site, ...), .record_transfer_deferred(build, payload)
-                                                 the tightest hot paths (docs/api.md)
+        .record_transfer_at(site, ...), .record_transfer_deferred(build, payload),
+        .deferred_queue(build, *, batched=False) the tightest hot paths (docs/api.md)
         .capacity_feed(page_tokens, tiers, keys=None)
                                                  each admitted request's prefix lookup, for each tier's hit ratio at
                                                  other sizes (otel_hicache.capacity: TierCapacity, page_keys)

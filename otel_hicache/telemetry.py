@@ -237,13 +237,15 @@ class HiCacheTelemetry:
         if not self._host.fast_ready:
             self._host.want_fast()
 
-    def deferred_queue(self, build: Build) -> DeferredQueue:
+    def deferred_queue(self, build: Build, *, batched: bool = False) -> DeferredQueue:
         """A queue of this producer's own for the tightest hot paths (SGLang's ack queues): the producer appends
         ``(next(queue.seq), ...)`` with ``queue.put``, two C calls and no Python frame; the host thread builds each
-        entry with ``build(entry)`` (a record, or None) as :meth:`record_transfer_deferred` does. At most
-        ``max_queue`` unbuilt entries; shed ones are counted. ``queue.close()`` when the producer is done. Never
-        raises."""
-        return self._host.new_queue(build)
+        entry with ``build(entry)`` (a record, or None) as :meth:`record_transfer_deferred` does. ``batched``:
+        ``build(entries)`` gets every entry waiting, oldest first, in one call, and reports what it makes itself
+        (entries that only add to counters, summed there: :meth:`record_prefix_splits`). At most ``max_queue``
+        unbuilt entries; shed ones are counted (a batch whose build raises: each of its entries). ``queue.close()``
+        when the producer is done. Never raises."""
+        return self._host.new_queue(build, batched=batched)
 
     def capacity_feed(
         self,
@@ -324,6 +326,27 @@ class HiCacheTelemetry:
                 request_span.set_attributes({f"{sc.ATTR_PREFIX_TOKENS}.{m.value}": n for m, n in counts.items()})
         except Exception:
             _log.debug("otel_hicache: setting the prefix split on a request span failed", exc_info=True)
+
+    def record_prefix_splits(self, rows: Iterable[tuple[int, int, int, int, int]]) -> None:
+        """Count many admitted prefills at once, each row ``(input, device hit, host hit, storage hit, other hit)``
+        tokens: what an engine that counts each prefill batch from its own counters queued since the host thread's
+        last round (a batched :meth:`deferred_queue`). Rows of five plain in-range ints are summed and counted as
+        one; any other row alone, as :meth:`record_prefix_split` counts it (checked, corrected or refused). Never
+        raises."""
+        try:
+            sums, odd = validation.prefix_rows(rows)
+        except Exception as exc:  # rows that cannot be iterated: none counted
+            self._tally.refuse(RecordKind.PREFIX_SPLIT, exc)
+            return
+        if sums:
+            self._tally.prefill(sums)
+        for row in odd:
+            try:
+                split, other = PrefixSplit(*row[:4]), row[4]
+            except Exception:
+                self._tally.reject(RecordKind.PREFIX_SPLIT, Problem.MALFORMED)
+                continue
+            self.record_prefix_split(split, other_hit=other)
 
     def add_pool_usage_source(self, source: PoolSource) -> None:
         """Register a callable read on a host thread about once a second (never on the hot path), and before each

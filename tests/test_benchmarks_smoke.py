@@ -153,7 +153,7 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
     # one wake of an idle thread costs some CPU; with --time-builds every kind of record the host thread builds is
     # timed on it
     assert data["wake_floor_ns"] > 0
-    assert set(data["builds"]) == {"AckReporter.record", "CapacityFeed.build", "HiCacheHooks._counted_prefill"}
+    assert set(data["builds"]) == {"AckReporter.record", "CapacityFeed.build", "HiCacheHooks._counted_prefills"}
     assert all(timed["first"] > 0 for timed in data["builds"].values())
 
 

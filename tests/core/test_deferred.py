@@ -77,6 +77,37 @@ def test_entries_past_the_bound_are_shed_oldest_first_and_each_is_counted(small:
     assert counted(small) == (1000 + 7 + 8 + 9 + 10, 6)  # the newest 4 built, the 6 oldest shed and counted
 
 
+def test_a_batched_queue_builds_every_entry_waiting_in_one_call_and_counts_what_was_shed_among_them(
+    small: Sdk,
+) -> None:
+    calls: list[list[int]] = []
+
+    def build(entries: list[tuple[int, int]]) -> None:
+        calls.append([tokens for _, tokens in entries])
+        for _, tokens in entries:
+            small.telemetry.record_transfer(backup(tokens))
+
+    queue = small.telemetry.deferred_queue(build, batched=True)
+    release = hold_the_host_thread(small)
+    for tokens in range(1, 8):  # 7 entries into a queue of 4, nobody taking: the 3 oldest shed
+        queue.put((next(queue.seq), tokens))
+    release.set()
+    assert small.telemetry.flush()
+    assert calls == [[4, 5, 6, 7]]  # one call, oldest first
+    assert counted(small) == (1000 + 4 + 5 + 6 + 7, 3)
+
+
+def test_a_batch_whose_build_raises_counts_each_of_its_entries_as_refused(small: Sdk) -> None:
+    queue = small.telemetry.deferred_queue(lambda entries: 1 / 0, batched=True)
+    release = hold_the_host_thread(small)
+    for tokens in (1, 2, 3):
+        queue.put((next(queue.seq), tokens))
+    release.set()
+    assert small.telemetry.flush()
+    failed = small.telemetry.snapshot()[sc.METRIC_RECORDS_REJECTED][("transfer", "build_failed")]
+    assert failed == 3
+
+
 def test_entries_never_built_by_shutdown_are_counted_as_shed() -> None:
     sdk = make_sdk(max_queue=4)
     queue = sdk.telemetry.deferred_queue(backup_entry)

@@ -481,6 +481,30 @@ class TestNeverHarmTheHost:
         }
         assert sdk.value(sc.METRIC_PREFILL_TOKENS, {sc.ATTR_PREFILL_MODE: "input"}) == 0
 
+    def test_many_prefix_splits_at_once_count_their_sum_and_each_odd_row_alone(self, sdk: Sdk) -> None:
+        class Index:  # an integer type of an engine's (numpy's, torch's): corrected to int, counted
+            def __index__(self) -> int:
+                return 4
+
+        rows: list[Any] = [
+            (100, 50, 30, 20, 0),
+            (10, 0, 0, 5, 3),
+            (-1, 0, 0, 0, 0),  # refused alone: the rows around it still count
+            (Index(), 1, 0, 0, 0),
+            (1, 2, 3),  # not a row
+            (1 << 41, 0, 0, 0, 0),  # absurd: refused alone
+        ]
+        sdk.telemetry.record_prefix_splits(rows)
+        sdk.telemetry.record_prefix_splits(None)  # type: ignore[arg-type]
+        modes = {m.value: sdk.value(sc.METRIC_PREFILL_TOKENS, {sc.ATTR_PREFILL_MODE: m.value}) for m in PrefillMode}
+        assert modes == {"input": 114, "device_hit": 51, "host_hit": 30, "storage_hit": 25, "other": 3}
+        problems = {
+            dict(k)[sc.ATTR_PROBLEM]: p.value
+            for k, p in sdk.points(sc.METRIC_RECORDS_REJECTED).items()
+            if dict(k)[sc.ATTR_RECORD_KIND] == "prefix_split"
+        }
+        assert problems == {"negative_count": 1, "malformed": 2, "absurd_count": 1}
+
     def test_rejection_warns_once_per_problem(self, sdk: Sdk, caplog: pytest.LogCaptureFixture) -> None:
         with caplog.at_level(logging.WARNING, logger="otel_hicache"):
             for _ in range(50):

@@ -237,9 +237,9 @@ class Tally:
         """Count a record its check refused (an unexpected error: malformed)."""
         self.reject(kind, exc.problem if isinstance(exc, Rejected) else Problem.MALFORMED)
 
-    def reject(self, kind: RecordKind, problem: Problem) -> None:
+    def reject(self, kind: RecordKind, problem: Problem, n: int = 1) -> None:
         try:
-            self.add([(self._rejected_slot[(kind, problem)], 1)])
+            self.add([(self._rejected_slot[(kind, problem)], n)])
             self.warn_once(kind, problem, "record rejected; nothing of it was counted")
         except Exception:  # the last line of defence: never raise into the host
             pass

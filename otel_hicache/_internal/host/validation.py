@@ -527,6 +527,30 @@ def prefix_split(record: Any, other_hit: Any = 0) -> dict[PrefillMode, int]:
     return modes
 
 
+#: The modes of a row ``(input, device hit, host hit, storage hit, other hit)``, in its order.
+_ROW_MODES = (
+    PrefillMode.INPUT,
+    PrefillMode.DEVICE_HIT,
+    PrefillMode.HOST_HIT,
+    PrefillMode.STORAGE_HIT,
+    PrefillMode.OTHER,
+)
+
+
+def prefix_rows(rows: Iterable[Any]) -> tuple[dict[PrefillMode, int], list[Any]]:
+    """The sum per mode of the rows ``(input, device hit, host hit, storage hit, other hit)`` that are five plain
+    in-range ints (the common case: every prefill batch an engine counted since the host thread's last round), modes
+    with none left out; and the other rows, as they are, to be checked one by one."""
+    sums = [0, 0, 0, 0, 0]
+    odd = []
+    for row in rows:
+        if type(row) is tuple and len(row) == 5 and all(type(n) is int and 0 <= n <= MAX_TOKENS for n in row):
+            sums = [total + n for total, n in zip(sums, row, strict=True)]
+        else:
+            odd.append(row)
+    return {mode: total for mode, total in zip(_ROW_MODES, sums, strict=True) if total}, odd
+
+
 class Usage(NamedTuple):
     """A checked :class:`~otel_hicache.records.PoolUsage`."""
 

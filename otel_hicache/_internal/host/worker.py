@@ -133,8 +133,8 @@ class HostWorker:
             self.start()
 
     # ------------------------------------------------------------------ what producers hand over
-    def new_queue(self, build: Build, kind: RecordKind = RecordKind.TRANSFER) -> DeferredQueue:
-        queue = DeferredQueue(build, self._max_queue, kind)
+    def new_queue(self, build: Build, kind: RecordKind = RecordKind.TRANSFER, batched: bool = False) -> DeferredQueue:
+        queue = DeferredQueue(build, self._max_queue, kind, batched)
         self.queues.append(queue)
         self.want_fast()
         return queue
@@ -234,20 +234,20 @@ class HostWorker:
         return min(self._interval_s, DEFERRED_TICK_S) if self._fast else TEND_INTERVAL_S
 
     def _build_deferred(self, budget_ns: int) -> bool:
-        """Build and count deferred records, each queue oldest first, for at most ``budget_ns``. True if some
-        remain. Only the host thread takes from the queues."""
+        """Build and count deferred records, each queue oldest first (a batched one: all it holds in one build),
+        for at most ``budget_ns``. True if some remain. Only the host thread takes from the queues."""
         end = time.perf_counter_ns() + budget_ns
         for queue in list(self.queues):
             while queue:
                 self._building = True
                 try:
-                    shed, entry = queue.take()
+                    shed, taken = queue.take_all() if queue.batched else queue.take()
                     if shed:
                         self._tally.shed(shed, "deferred records shed", queue.kind)
                     try:
-                        record = queue.build(entry)
-                    except Exception:
-                        self._tally.reject(queue.kind, Problem.BUILD_FAILED)
+                        record = queue.build(taken)
+                    except Exception:  # a batch's entries are lost with it: each counted
+                        self._tally.reject(queue.kind, Problem.BUILD_FAILED, len(taken) if queue.batched else 1)
                         continue
                     if record is not None:
                         self._count(record)  # not a record: refused as malformed

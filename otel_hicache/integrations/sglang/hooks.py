@@ -43,7 +43,7 @@ from otel_hicache.integrations.sglang.reading import (
     size_per_token,
 )
 from otel_hicache.integrations.sglang.self_check import SelfCheck
-from otel_hicache.records import DropRecord, EvictedEntry, EvictionRecord, KvWait, PrefixSplit, TransferRecord
+from otel_hicache.records import DropRecord, EvictedEntry, EvictionRecord, KvWait, TransferRecord
 from otel_hicache.semconv import (
     DEFAULT_POOL,
     Tier,
@@ -347,15 +347,14 @@ class HiCacheHooks(EngineHooks):
             telemetry = self.telemetry
             if telemetry is None:
                 return
-            queue = self._prefill_queue = telemetry.deferred_queue(self._counted_prefill)
+            queue = self._prefill_queue = telemetry.deferred_queue(self._counted_prefills, batched=True)
         queue.put((next(queue.seq), counts))
 
-    def _counted_prefill(self, entry: tuple[int, PrefillCounts]) -> None:
-        """Host thread: count one batch's split (:meth:`_count_prefill`)."""
+    def _counted_prefills(self, entries: list[tuple[int, PrefillCounts]]) -> None:
+        """Host thread: count the splits of every batch waiting (:meth:`_count_prefill`), summed: one count."""
         telemetry = self.telemetry
         if telemetry is not None:
-            counts = entry[1]
-            telemetry.record_prefix_split(PrefixSplit(*counts[:4]), other_hit=counts[4])
+            telemetry.record_prefix_splits(counts for _, counts in entries)
 
     # ------------------------------------------------------------------ L3 storage
     def storage_backup(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
