@@ -241,7 +241,7 @@ class HiCacheTelemetry:
         """A queue of this producer's own for the tightest hot paths (SGLang's ack queues): the producer appends
         ``(next(queue.seq), ...)`` with ``queue.put``, two C calls and no Python frame; the host thread builds each
         entry with ``build(entry)`` (a record, or None) as :meth:`record_transfer_deferred` does. ``batched``:
-        ``build(entries)`` gets every entry waiting, oldest first, in one call, and reports what it makes itself
+        ``build(entries)`` gets the entries waiting, oldest first, a batch at a time, and reports what it makes itself
         (entries that only add to counters, summed there: :meth:`record_prefix_splits`). At most ``max_queue``
         unbuilt entries; shed ones are counted (a batch whose build raises: each of its entries). ``queue.close()``
         when the producer is done. Never raises."""

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from otel_hicache import semconv as sc
+from otel_hicache._internal.host.worker import BATCH_ENTRIES
 from otel_hicache.records import TransferRecord
 from otel_hicache.semconv import TransferOperation
 from otel_hicache.testing.sdk import Sdk, make_sdk
@@ -95,6 +96,26 @@ def test_a_batched_queue_builds_every_entry_waiting_in_one_call_and_counts_what_
     assert small.telemetry.flush()
     assert calls == [[4, 5, 6, 7]]  # one call, oldest first
     assert counted(small) == (1000 + 4 + 5 + 6 + 7, 3)
+
+
+def test_a_batched_build_gets_at_most_a_bounded_batch_however_many_wait() -> None:
+    sdk = make_sdk(max_queue=100)
+    sizes: list[int] = []
+
+    def build(entries: list[tuple[int, int]]) -> None:
+        sizes.append(len(entries))
+        for _, tokens in entries:
+            sdk.telemetry.record_transfer(backup(tokens))
+
+    queue = sdk.telemetry.deferred_queue(build, batched=True)
+    release = hold_the_host_thread(sdk)
+    for _ in range(3 * BATCH_ENTRIES + 1):  # what waits after a stall: built in slices, a batch a call
+        queue.put((next(queue.seq), 1))
+    release.set()
+    assert sdk.telemetry.flush()
+    assert sizes == [BATCH_ENTRIES] * 3 + [1]
+    assert counted(sdk) == (1000 + 3 * BATCH_ENTRIES + 1, 0)
+    sdk.telemetry.shutdown(1.0)
 
 
 def test_a_batch_whose_build_raises_counts_each_of_its_entries_as_refused(small: Sdk) -> None:

@@ -12,9 +12,9 @@ oldest past that; the taker counts every entry it never saw from the gap in sequ
 counted exactly (``otel_hicache.records.rejected{problem=queue_full}``). One producer thread per queue (the sequence
 numbers are then in order); the taker is the host thread alone.
 
-A *batched* queue is built a batch at a time: ``build(entries)`` gets every entry waiting, oldest first, in one call
-(:meth:`DeferredQueue.take_all`): a producer whose entries only add to counters has them summed there, one count for
-all of them, where one call per entry would cost the host thread a Python call chain each.
+A *batched* queue is built a batch at a time: ``build(entries)`` gets the entries waiting, oldest first, up to a
+bound, in one call (:meth:`DeferredQueue.take_batch`): a producer whose entries only add to counters has them summed
+there, one count for all of them, where one call per entry would cost the host thread a Python call chain each.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from otel_hicache.semconv import RecordKind
 
 #: ``build(entry)``: the record of one entry (``entry[0]`` is its sequence number), or None: nothing (more) to report
 #: (a build may report through :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_at` itself). A batched
-#: queue's ``build(entries)`` gets every entry waiting, oldest first, reports what it makes itself and returns None.
+#: queue's ``build(entries)`` gets the entries waiting, oldest first, reports what it makes itself and returns None.
 Build = Callable[[Any], "TransferRecord | None"]
 
 
@@ -43,7 +43,7 @@ class DeferredQueue:
         self.put = self._entries.append  # the producer's: put((next(seq), ...))
         self.seq = itertools.count()
         self.build = build
-        self.batched = batched  # build(entries): every entry waiting at once (take_all), not one at a time
+        self.batched = batched  # build(entries): the entries waiting, a batch at a time (take_batch)
         self.kind = kind  # what a shed entry or a failed build is counted as
         self.closed = False  # the producer is done: dropped by the telemetry once drained
         self._expected = 0  # the sequence number the taker sees next when nothing was shed
@@ -63,11 +63,11 @@ class DeferredQueue:
         shed, self._expected = seq - self._expected, seq + 1
         return shed, entry
 
-    def take_all(self) -> tuple[int, list[tuple[Any, ...]]]:
-        """``(entries shed before or among them, entries)``: every entry waiting now, oldest first (at least one;
-        IndexError when empty). Those the deque discarded while they were taken are counted as shed."""
+    def take_batch(self, limit: int) -> tuple[int, list[tuple[Any, ...]]]:
+        """``(entries shed before or among them, entries)``: the entries waiting now, oldest first, at most ``limit``
+        (at least one; IndexError when empty). Those the deque discarded while they were taken count as shed."""
         entries = self._entries
-        taken = [entries.popleft() for _ in range(len(entries))] or [entries.popleft()]
+        taken = [entries.popleft() for _ in range(min(len(entries), limit))] or [entries.popleft()]
         last = taken[-1][0]
         shed, self._expected = last + 1 - self._expected - len(taken), last + 1
         return shed, taken

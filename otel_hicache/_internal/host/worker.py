@@ -53,6 +53,9 @@ PAUSE_S = 0.001
 BACKLOG_SHARE = 0.25
 BACKLOG_SLICE_NS = 100_000
 BACKLOG_PAUSE_S = 0.0002
+#: The most entries a batched queue's build gets at once: one build stays within a slice (summing a prefill batch's
+#: split costs ~1 us an entry), however many wait after a stall.
+BATCH_ENTRIES = 32
 #: How often the host thread looks for deferred records to build. Every wake costs the scheduler thread (a hand-over
 #: of the GIL, caches both threads find cold), so fewer wakes with more records each cost it less; what a SIGKILL
 #: loses is at most one tick of consumed acks (``benchmarks sigkill``).
@@ -234,14 +237,14 @@ class HostWorker:
         return min(self._interval_s, DEFERRED_TICK_S) if self._fast else TEND_INTERVAL_S
 
     def _build_deferred(self, budget_ns: int) -> bool:
-        """Build and count deferred records, each queue oldest first (a batched one: all it holds in one build),
-        for at most ``budget_ns``. True if some remain. Only the host thread takes from the queues."""
+        """Build and count deferred records, each queue oldest first (a batched one: up to BATCH_ENTRIES in one
+        build), for at most ``budget_ns``. True if some remain. Only the host thread takes from the queues."""
         end = time.perf_counter_ns() + budget_ns
         for queue in list(self.queues):
             while queue:
                 self._building = True
                 try:
-                    shed, taken = queue.take_all() if queue.batched else queue.take()
+                    shed, taken = queue.take_batch(BATCH_ENTRIES) if queue.batched else queue.take()
                     if shed:
                         self._tally.shed(shed, "deferred records shed", queue.kind)
                     try:
