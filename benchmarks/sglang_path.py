@@ -617,9 +617,9 @@ def _table(
         f"loop, the process otherwise idle, is charged {wake_floor / 1e3:.1f} us of CPU per sleep. The round timing "
         "reads two clocks per round, inside the host thread's figure. "
         + (
-            "With --time-builds, each record the host thread builds timed on it (thread CPU, two clock reads more "
-            "per record, in its figure too; every placement and pattern), median for a round's first record / for "
-            "the later ones (their counts): "
+            "With --time-builds, each record the host thread builds timed on it (a batched queue's build: its batch; "
+            "thread CPU, two clock reads more per build, in its figure too; every placement and pattern), median for "
+            "a round's first build / for the later ones (their counts): "
             + "; ".join(
                 f"{name} {median(first) / 1e3:.1f} / {median(later) / 1e3:.1f} us ({len(first):,} / {len(later):,})"
                 for name, (first, later) in sorted(builds.items())

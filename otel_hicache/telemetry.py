@@ -237,15 +237,18 @@ class HiCacheTelemetry:
         if not self._host.fast_ready:
             self._host.want_fast()
 
-    def deferred_queue(self, build: Build, *, batched: bool = False) -> DeferredQueue:
+    def deferred_queue(
+        self, build: Build, *, batched: bool = False, kind: RecordKind = RecordKind.TRANSFER
+    ) -> DeferredQueue:
         """A queue of this producer's own for the tightest hot paths (SGLang's ack queues): the producer appends
         ``(next(queue.seq), ...)`` with ``queue.put``, two C calls and no Python frame; the host thread builds each
         entry with ``build(entry)`` (a record, or None) as :meth:`record_transfer_deferred` does. ``batched``:
         ``build(entries)`` gets the entries waiting, oldest first, a batch at a time, and reports what it makes itself
-        (entries that only add to counters, summed there: :meth:`record_prefix_splits`). At most ``max_queue``
-        unbuilt entries; shed ones are counted (a batch whose build raises: each of its entries). ``queue.close()``
+        (entries that only add to counters, summed there: :meth:`record_prefix_splits`); it reports them all or raises
+        before it reports any. At most ``max_queue`` unbuilt entries; shed ones are counted as records of ``kind``
+        (a batch whose build raises: each of its entries). ``queue.close()``
         when the producer is done. Never raises."""
-        return self._host.new_queue(build, batched=batched)
+        return self._host.new_queue(build, kind, batched)
 
     def capacity_feed(
         self,
@@ -333,20 +336,18 @@ class HiCacheTelemetry:
         last round (a batched :meth:`deferred_queue`). Rows of five plain in-range ints are summed and counted as
         one; any other row alone, as :meth:`record_prefix_split` counts it (checked, corrected or refused). Never
         raises."""
-        try:
-            sums, odd = validation.prefix_rows(rows)
-        except Exception as exc:  # rows that cannot be iterated: none counted
-            self._tally.refuse(RecordKind.PREFIX_SPLIT, exc)
-            return
-        if sums:
-            self._tally.prefill(sums)
-        for row in odd:
+        found = validation.prefix_rows(rows)
+        if found.sums:
+            self._tally.prefill(found.sums, found.summed)
+        for row in found.odd:
             try:
-                split, other = PrefixSplit(*row[:4]), row[4]
-            except Exception:
-                self._tally.reject(RecordKind.PREFIX_SPLIT, Problem.MALFORMED)
+                split, other = validation.prefix_row(row)
+            except Exception as exc:
+                self._tally.refuse(RecordKind.PREFIX_SPLIT, exc)
                 continue
             self.record_prefix_split(split, other_hit=other)
+        if found.broken:  # rows that could not be read to their end: what they yielded is counted above
+            self._tally.reject(RecordKind.PREFIX_SPLIT, Problem.MALFORMED)
 
     def add_pool_usage_source(self, source: PoolSource) -> None:
         """Register a callable read on a host thread about once a second (never on the hot path), and before each

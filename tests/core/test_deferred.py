@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from otel_hicache import semconv as sc
+from otel_hicache._internal.host.deferred import DeferredQueue
 from otel_hicache._internal.host.worker import BATCH_ENTRIES
 from otel_hicache.records import TransferRecord
 from otel_hicache.semconv import TransferOperation
@@ -118,8 +119,42 @@ def test_a_batched_build_gets_at_most_a_bounded_batch_however_many_wait() -> Non
     sdk.telemetry.shutdown(1.0)
 
 
+def test_a_discard_racing_a_batch_take_leaves_each_entry_counted_once() -> None:
+    """A close that gave up waiting for the host thread discards what is queued while that thread takes a batch:
+    every entry is then counted once, as never built, and none is built as well; the next entry is no gap."""
+    queue = DeferredQueue(lambda entries: None, 100, batched=True)
+    deque = queue._entries
+    counted_by_discard: list[int] = []
+
+    class Racing:  # the deque, whose second popleft lets the closing thread in
+        def __init__(self) -> None:
+            self.pops = 0
+
+        def popleft(self) -> tuple[int, int]:
+            entry = deque.popleft()
+            self.pops += 1
+            if self.pops == 2:
+                counted_by_discard.append(queue.discard())
+            return entry
+
+        def clear(self) -> None:
+            deque.clear()
+
+    for tokens in range(4):
+        queue.put((next(queue.seq), tokens))
+    queue._entries = Racing()  # type: ignore[assignment]
+    assert queue.take_batch(16) == (0, [])
+    assert counted_by_discard == [4]
+    queue._entries = deque
+    queue.put((next(queue.seq), 9))
+    assert queue.take_batch(16)[0] == 0
+
+
 def test_a_batch_whose_build_raises_counts_each_of_its_entries_as_refused(small: Sdk) -> None:
-    queue = small.telemetry.deferred_queue(lambda entries: 1 / 0, batched=True)
+    def broken(entries: list[tuple[int, int]]) -> None:
+        raise RuntimeError("a bug in the build, before it reported anything")
+
+    queue = small.telemetry.deferred_queue(broken, batched=True)
     release = hold_the_host_thread(small)
     for tokens in (1, 2, 3):
         queue.put((next(queue.seq), tokens))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -486,24 +488,45 @@ class TestNeverHarmTheHost:
             def __index__(self) -> int:
                 return 4
 
+        class Endless(tuple):  # a row that lies about itself: never unpacked
+            def __getitem__(self, index: Any) -> Any:
+                return itertools.count()
+
+        def rows_then_failure() -> Iterator[Any]:
+            yield (1, 0, 0, 0, 0)
+            yield [2, 0, 0, 0, 0]  # a list: checked alone, counted
+            raise RuntimeError("the engine's iterator broke")
+
         rows: list[Any] = [
             (100, 50, 30, 20, 0),
             (10, 0, 0, 5, 3),
             (-1, 0, 0, 0, 0),  # refused alone: the rows around it still count
             (Index(), 1, 0, 0, 0),
             (1, 2, 3),  # not a row
+            (1, 2, 3, 4, 5, 6),  # nor this
+            b"\x01\x02\x03\x04\x05",  # nor this
             (1 << 41, 0, 0, 0, 0),  # absurd: refused alone
+            Endless((1, 2, 3, 4, 5)),
         ]
         sdk.telemetry.record_prefix_splits(rows)
+        sdk.telemetry.record_prefix_splits(rows_then_failure())  # what it yielded counts; the failure is refused
         sdk.telemetry.record_prefix_splits(None)  # type: ignore[arg-type]
         modes = {m.value: sdk.value(sc.METRIC_PREFILL_TOKENS, {sc.ATTR_PREFILL_MODE: m.value}) for m in PrefillMode}
-        assert modes == {"input": 114, "device_hit": 51, "host_hit": 30, "storage_hit": 25, "other": 3}
+        assert modes == {"input": 117, "device_hit": 51, "host_hit": 30, "storage_hit": 25, "other": 3}
         problems = {
             dict(k)[sc.ATTR_PROBLEM]: p.value
             for k, p in sdk.points(sc.METRIC_RECORDS_REJECTED).items()
             if dict(k)[sc.ATTR_RECORD_KIND] == "prefix_split"
         }
-        assert problems == {"negative_count": 1, "malformed": 2, "absurd_count": 1}
+        assert problems == {"negative_count": 1, "malformed": 5, "absurd_count": 1, "bad_count": 1}
+
+    def test_a_prefill_sum_past_an_int64_counter_is_refused_whole_and_counted_per_row(self, sdk: Sdk) -> None:
+        sdk.telemetry.record_prefix_split(PrefixSplit(0, 1, 0, 0))
+        rows = [(0, (1 << 40), 0, 0, 0)] * ((1 << 23) + 1)  # their sum is past int64 (about 2**63)
+        sdk.telemetry.record_prefix_splits(rows)
+        assert sdk.value(sc.METRIC_PREFILL_TOKENS, {sc.ATTR_PREFILL_MODE: "device_hit"}) == 1
+        rejected = {sc.ATTR_RECORD_KIND: "prefix_split", sc.ATTR_PROBLEM: "absurd_count"}
+        assert sdk.value(sc.METRIC_RECORDS_REJECTED, rejected) == len(rows)
 
     def test_rejection_warns_once_per_problem(self, sdk: Sdk, caplog: pytest.LogCaptureFixture) -> None:
         with caplog.at_level(logging.WARNING, logger="otel_hicache"):

@@ -178,8 +178,12 @@ class Tally:
         base = self.layout.histograms[name][key]
         return base + HISTOGRAM_BUCKETS + bisect_left(self.layout.bounds[name], value), base + HISTOGRAM_SUM
 
-    def prefill(self, counts: dict[PrefillMode, int]) -> None:
-        self.add([(self._prefill_slot[(mode,)], n) for mode, n in counts.items() if n])  # a 0 changes no series
+    def prefill(self, counts: dict[PrefillMode, int], rows: int = 1) -> None:
+        """Count ``rows`` prefills' split, summed; all of it or, past an int64 counter, none of it (refused)."""
+        with self.lock:
+            counted = self._apply([(self._prefill_slot[(mode,)], n) for mode, n in counts.items() if n])  # 0: no series
+        if not counted:
+            self.reject(RecordKind.PREFIX_SPLIT, Problem.ABSURD_COUNT, rows)
 
     def mismatches(self, names: Iterable[Any]) -> None:
         """Count what one engine check reported: each name of one of our instruments (a plain string) once."""

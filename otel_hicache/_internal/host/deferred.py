@@ -29,7 +29,8 @@ from otel_hicache.semconv import RecordKind
 
 #: ``build(entry)``: the record of one entry (``entry[0]`` is its sequence number), or None: nothing (more) to report
 #: (a build may report through :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_at` itself). A batched
-#: queue's ``build(entries)`` gets the entries waiting, oldest first, reports what it makes itself and returns None.
+#: queue's ``build(entries)`` gets the entries waiting, oldest first, reports what it makes itself and returns None;
+#: it reports all of them or raises before it reports any (then each is counted as refused, ``build_failed``).
 Build = Callable[[Any], "TransferRecord | None"]
 
 
@@ -65,11 +66,19 @@ class DeferredQueue:
 
     def take_batch(self, limit: int) -> tuple[int, list[tuple[Any, ...]]]:
         """``(entries shed before or among them, entries)``: the entries waiting now, oldest first, at most ``limit``
-        (at least one; IndexError when empty). Those the deque discarded while they were taken count as shed."""
-        entries = self._entries
-        taken = [entries.popleft() for _ in range(min(len(entries), limit))] or [entries.popleft()]
+        (IndexError when none wait). Those the deque discarded while they were taken count as shed. None are returned
+        when a :meth:`discard` ran meanwhile (a close that gave up waiting for the host thread): it counted them."""
+        expected, pop, taken = self._expected, self._entries.popleft, []
+        try:
+            for _ in range(limit):
+                taken.append(pop())
+        except IndexError:  # all taken, or cleared by a discard()
+            if not taken:
+                raise
+        if self._expected != expected:  # discard() counted every entry not built so far as never built
+            return 0, []
         last = taken[-1][0]
-        shed, self._expected = last + 1 - self._expected - len(taken), last + 1
+        shed, self._expected = last + 1 - expected - len(taken), last + 1
         return shed, taken
 
     def discard(self) -> int:

@@ -537,18 +537,41 @@ _ROW_MODES = (
 )
 
 
-def prefix_rows(rows: Iterable[Any]) -> tuple[dict[PrefillMode, int], list[Any]]:
-    """The sum per mode of the rows ``(input, device hit, host hit, storage hit, other hit)`` that are five plain
-    in-range ints (the common case: every prefill batch an engine counted since the host thread's last round), modes
-    with none left out; and the other rows, as they are, to be checked one by one."""
+class PrefixRows(NamedTuple):
+    """What :func:`prefix_rows` found."""
+
+    sums: dict[PrefillMode, int]  # per mode, of the plain rows (modes with none left out)
+    summed: int  # how many plain rows
+    odd: list[Any]  # the other rows, as they are, to be checked one by one
+    broken: bool  # the rows could not be read to their end (what was read is above)
+
+
+def prefix_rows(rows: Iterable[Any]) -> PrefixRows:
+    """The rows ``(input, device hit, host hit, storage hit, other hit)``: the sum of those that are five plain
+    in-range ints (the common case: every prefill batch an engine counted since the host thread's last round), and the
+    others apart. Never raises: an iterable that fails keeps what it yielded before."""
     sums = [0, 0, 0, 0, 0]
-    odd = []
-    for row in rows:
-        if type(row) is tuple and len(row) == 5 and all(type(n) is int and 0 <= n <= MAX_TOKENS for n in row):
-            sums = [total + n for total, n in zip(sums, row, strict=True)]
-        else:
-            odd.append(row)
-    return {mode: total for mode, total in zip(_ROW_MODES, sums, strict=True) if total}, odd
+    summed = 0
+    odd: list[Any] = []
+    broken = False
+    try:
+        for row in rows:
+            if type(row) is tuple and len(row) == 5 and all(type(n) is int and 0 <= n <= MAX_TOKENS for n in row):
+                sums = [total + n for total, n in zip(sums, row, strict=True)]
+                summed += 1
+            else:
+                odd.append(row)
+    except Exception:
+        broken = True
+    return PrefixRows({m: total for m, total in zip(_ROW_MODES, sums, strict=True) if total}, summed, odd, broken)
+
+
+def prefix_row(row: Any) -> tuple[PrefixSplit, Any]:
+    """One row that is not plain, as a split and its other hits (checked by :func:`prefix_split`), else
+    :class:`Rejected`: a tuple or list of five items, read by index (never unpacked: a row may lie about itself)."""
+    if not isinstance(row, (tuple, list)) or len(row) != 5:
+        raise Rejected(Problem.MALFORMED)
+    return PrefixSplit(row[0], row[1], row[2], row[3]), row[4]
 
 
 class Usage(NamedTuple):

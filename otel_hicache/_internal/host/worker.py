@@ -54,8 +54,8 @@ BACKLOG_SHARE = 0.25
 BACKLOG_SLICE_NS = 100_000
 BACKLOG_PAUSE_S = 0.0002
 #: The most entries a batched queue's build gets at once: one build stays within a slice (summing a prefill batch's
-#: split costs ~1 us an entry), however many wait after a stall.
-BATCH_ENTRIES = 32
+#: split costs ~1 us an entry, ~4 us one that must be checked alone), however many wait after a stall.
+BATCH_ENTRIES = 16
 #: How often the host thread looks for deferred records to build. Every wake costs the scheduler thread (a hand-over
 #: of the GIL, caches both threads find cold), so fewer wakes with more records each cost it less; what a SIGKILL
 #: loses is at most one tick of consumed acks (``benchmarks sigkill``).
@@ -244,12 +244,15 @@ class HostWorker:
             while queue:
                 self._building = True
                 try:
-                    shed, taken = queue.take_batch(BATCH_ENTRIES) if queue.batched else queue.take()
+                    try:
+                        shed, taken = queue.take_batch(BATCH_ENTRIES) if queue.batched else queue.take()
+                    except IndexError:  # emptied by a discard() (a close that gave up waiting for this thread)
+                        break
                     if shed:
                         self._tally.shed(shed, "deferred records shed", queue.kind)
                     try:
                         record = queue.build(taken)
-                    except Exception:  # a batch's entries are lost with it: each counted
+                    except Exception:  # a batched build raises before it reports any: each entry counted
                         self._tally.reject(queue.kind, Problem.BUILD_FAILED, len(taken) if queue.batched else 1)
                         continue
                     if record is not None:

@@ -46,6 +46,7 @@ from otel_hicache.integrations.sglang.self_check import SelfCheck
 from otel_hicache.records import DropRecord, EvictedEntry, EvictionRecord, KvWait, TransferRecord
 from otel_hicache.semconv import (
     DEFAULT_POOL,
+    RecordKind,
     Tier,
     TimingSource,
     TransferOperation,
@@ -347,7 +348,9 @@ class HiCacheHooks(EngineHooks):
             telemetry = self.telemetry
             if telemetry is None:
                 return
-            queue = self._prefill_queue = telemetry.deferred_queue(self._counted_prefills, batched=True)
+            queue = self._prefill_queue = telemetry.deferred_queue(
+                self._counted_prefills, batched=True, kind=RecordKind.PREFIX_SPLIT
+            )
         queue.put((next(queue.seq), counts))
 
     def _counted_prefills(self, entries: list[tuple[int, PrefillCounts]]) -> None:
