@@ -246,8 +246,8 @@ class HiCacheTelemetry:
         ``build(entries)`` gets the entries waiting, oldest first, a batch at a time, and reports what it makes itself
         (entries that only add to counters, summed there: :meth:`record_prefix_splits`); it reports them all or raises
         before it reports any. At most ``max_queue`` unbuilt entries; shed ones are counted as records of ``kind``
-        (a batch whose build raises: each of its entries). ``queue.close()``
-        when the producer is done. Never raises."""
+        (a batch whose build raises: each of its entries). ``queue.close()`` when the producer is done. Never
+        raises."""
         return self._host.new_queue(build, kind, batched)
 
     def capacity_feed(
