@@ -391,9 +391,10 @@ class HiCacheTelemetry:
         return self._tally.snapshot()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Count deferred records and turn every queued transfer into its span (and, exporting from another process,
-        export the spans and the metrics), within ``timeout_s``. True if everything got through in time. (Pool sources
-        are read by the host thread about once a second, and before each in-process collection.)"""
+        """Count deferred records (the host thread builds them without its pauses meanwhile) and turn every queued
+        transfer into its span (and, exporting from another process, export the spans and the metrics), within
+        ``timeout_s``. True if everything got through in time. (Pool sources are read by the host thread about once a
+        second, and before each in-process collection.)"""
         return self._host.flush(timeout_s)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:

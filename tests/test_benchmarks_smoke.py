@@ -150,6 +150,7 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
             if name.endswith("/otel_hicache instrumentor, OTLP"):  # its host thread's own CPU, found by name
                 assert _sane(values["host_thread_cpu"]) and values["host_thread_cpu"] > 0, name
                 assert values["host_thread_rounds"] > 0, name  # its rounds, counted from the holder's side
+                assert values["left_for_flush"] >= 0, name  # what it had not built when the block ended
     # one wake of an idle thread costs some CPU; with --time-builds every kind of record the host thread builds is
     # timed on it
     assert data["wake_floor_ns"] > 0

@@ -15,6 +15,7 @@ from opentelemetry import metrics, trace
 
 from otel_hicache import semconv as sc
 from otel_hicache._internal.host import validation
+from otel_hicache._internal.host import worker as worker_module
 from otel_hicache._internal.host.consumers import InProcessConsumer
 from otel_hicache._internal.host.counting import Tally
 from otel_hicache._internal.host.worker import HOST_THREAD_NAME, TEND_INTERVAL_S, HostWorker, weakly
@@ -111,6 +112,61 @@ def test_an_engine_check_may_read_the_counters_it_checks(host: tuple[HostWorker,
     worker.run_engine_checks()
     assert seen and seen[-1] == 9
     assert tally.snapshot()[sc.METRIC_ENGINE_MISMATCH][(sc.METRIC_TRANSFER_TOKENS,)] == len(seen)
+
+
+def spend_a_slice(entry: tuple[int, int]) -> TransferRecord:
+    """A build that outlasts a slice of the host thread (its CPU, not a wait): one build per round."""
+    end = time.thread_time_ns() + 2 * worker_module.SLICE_NS
+    while time.thread_time_ns() < end:
+        pass
+    return backup(entry[1])
+
+
+#: With SLOW_PAUSE_S after each round of one build, these entries take the host thread 10 s at its own pace.
+SLOW_PAUSE_S = 0.1
+ENTRIES = 100
+
+
+@pytest.fixture
+def slow_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[HostWorker, Tally]]:
+    """A worker whose host thread pauses SLOW_PAUSE_S after a busy round, with ENTRIES queued that each fill a round,
+    tokens 1 to ENTRIES."""
+    monkeypatch.setattr(worker_module, "PAUSE_S", SLOW_PAUSE_S)
+    monkeypatch.setattr(worker_module, "BACKLOG_PAUSE_S", SLOW_PAUSE_S)
+    worker, tally = make(max_queue=2 * ENTRIES)
+    queue = worker.new_queue(spend_a_slice)
+    for tokens in range(1, ENTRIES + 1):
+        queue.put((next(queue.seq), tokens))
+    yield worker, tally
+    worker.close(1)
+
+
+@pytest.mark.parametrize("wait", ["flush", "close", "exit"])
+def test_a_flush_or_a_shutdown_has_what_waits_built_without_the_host_threads_pauses(
+    slow_host: tuple[HostWorker, Tally], wait: str
+) -> None:
+    """While a flush, a shutdown or the interpreter's exit waits for the deferred records, the host thread builds them
+    back to back (after the pause it may be in): a pause would cost it a wake and the waiting thread a millisecond
+    each, for nobody's benefit; at exit, what is not built in half a second is lost."""
+    worker, tally = slow_host
+    if wait == "flush":
+        assert worker.settle(5, hurry=True)
+    elif wait == "close":
+        worker.close(10)  # half of it for the records
+    else:
+        worker_module._flush_at_exit()  # half a second for every telemetry
+    assert kv_tokens(tally) == sum(range(1, ENTRIES + 1))
+    assert tally.snapshot()[sc.METRIC_RECORDS_REJECTED].get(("transfer", "queue_full"), 0) == 0
+
+
+def test_a_read_of_the_counters_keeps_the_host_threads_pace(slow_host: tuple[HostWorker, Tally]) -> None:
+    """A read (a snapshot, an in-process collection) is no reason for the host thread to hold the GIL longer: it
+    waits, bounded, and the thread keeps pausing between its rounds."""
+    worker, tally = slow_host
+    assert not worker.settle(0.3)
+    assert kv_tokens(tally) < sum(range(1, ENTRIES + 1)) // 2
+    assert worker.settle(5, hurry=True)
+    assert kv_tokens(tally) == sum(range(1, ENTRIES + 1))
 
 
 def test_closing_counts_what_was_never_built_as_shed_and_stops_the_thread() -> None:

@@ -13,7 +13,9 @@ engine check; over OTLP by the constructor). Each round (:meth:`HostWorker.work`
 It ticks every :data:`DEFERRED_TICK_S` while it has deferred records to build, and always in-process, where it
 drains the ring (else every :data:`TEND_INTERVAL_S`: pool sources alone need no faster tick) and pauses
 :data:`PAUSE_S` after a busy round, so the scheduler thread gets the GIL back. Reads of the counters wait (bounded)
-for what is queued to be built (:meth:`HostWorker.settle`). ``fork``: the child
+for what is queued to be built (:meth:`HostWorker.settle`); while a flush or a shutdown waits, the thread builds
+without pausing between its slices (it only lets go of the GIL): the waiting thread needs nothing else, and every
+pause costs a wake. ``fork``: the child
 starts from zero as its own process (its own table, ring, thread and exporter); the parent stays exact; no lock is
 inherited held. What cannot be had (a thread, shared memory) never raises into the caller: it is logged once and
 tried again.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -76,6 +79,8 @@ PoolSource = Callable[[], Iterable[PoolUsage]]
 #: An engine self-check: the names of our instruments whose totals disagree with the engine's own counters.
 EngineCheck = Callable[[], Iterable[str]]
 _P = ParamSpec("_P")
+#: Lets go of the GIL and of the CPU for a moment (no timer: a wake costs tens of microseconds of CPU on a VM).
+_let_go: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
 _log = logging.getLogger("otel_hicache.telemetry")
 
 
@@ -113,6 +118,9 @@ class HostWorker:
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()  # one thread starts the consumer; the others go on
         self._wake = threading.Event()
+        self._hurried = 0  # threads in a flush or shutdown waiting for the deferred records: no pauses meanwhile
+        self._hurry_lock = threading.Lock()
+        self._drained = threading.Event()  # set by a hurried round that left no deferred record unbuilt
         self.started = False  # consumer tended and host thread running
         self._next_start_attempt = 0.0
         self._fast = not shared  # the host thread ticks every DEFERRED_TICK_S (else TEND_INTERVAL_S)
@@ -222,7 +230,12 @@ class HostWorker:
         backlog = sum(len(queue) for queue in self.queues) > self._max_queue * BACKLOG_SHARE
         slice_ns, pause_s = (BACKLOG_SLICE_NS, BACKLOG_PAUSE_S) if backlog else (SLICE_NS, PAUSE_S)
         # the once-a-second work above is part of this round's slice: a round stays within it
-        busy = self._build_deferred(started + slice_ns - time.perf_counter_ns()) or busy
+        more = self._build_deferred(started + slice_ns - time.perf_counter_ns())
+        if self._hurried:  # a flush waits: only let go of the GIL between slices, and say when all is built
+            pause_s = 0.0
+            if not more:
+                self._drained.set()
+        busy = more or busy
         if self.shared:  # the export process drains the ring itself
             if now >= state["tend"]:
                 state["tend"] = now + TEND_INTERVAL_S
@@ -313,8 +326,10 @@ class HostWorker:
             self._checking.release()
 
     # ------------------------------------------------------------------ reading, flushing, closing
-    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
-        """Wait (bounded) until every deferred record has been built and counted by the host thread."""
+    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S, *, hurry: bool = False) -> bool:
+        """Wait (bounded) until every deferred record has been built and counted by the host thread. ``hurry`` (a
+        flush, a shutdown): the host thread builds without pausing meanwhile; else (a read of the counters) it keeps
+        its pace."""
         if self.closed:  # no host thread builds any more: what producers put since shutdown is shed, and counted
             self._shed_deferred()
         if not self._unbuilt():
@@ -322,18 +337,33 @@ class HostWorker:
         if self._thread is None or threading.current_thread() is self._thread:
             return False
         deadline = time.monotonic() + timeout_s
-        while self._unbuilt():
-            if time.monotonic() >= deadline:
-                return False
-            self._wake.set()
-            time.sleep(0.001)
-        return True
+        if hurry:
+            self._hurry(1)
+        try:
+            while True:
+                self._drained.clear()
+                if not self._unbuilt():
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._wake.set()
+                # a hurried round says when it is done; the bound covers a set that came before the clear
+                self._drained.wait(min(remaining, 0.01 if hurry else 0.001))
+        finally:
+            if hurry:
+                self._hurry(-1)
+
+    def _hurry(self, change: int) -> None:
+        with self._hurry_lock:
+            self._hurried += change
 
     def _unbuilt(self) -> bool:
         return self._building or any(self.queues)
 
     def before_collect(self) -> None:
-        """What an in-process collection waits for first: deferred records counted, pools read, engines checked."""
+        """What an in-process collection waits for first: deferred records counted, pools read, engines checked (at
+        the host thread's pace: a collection is no reason to hold the GIL longer)."""
         self.settle(SETTLE_TIMEOUT_S / 2)
         self.read_pools()
         self.publish_capacity()
@@ -350,7 +380,7 @@ class HostWorker:
 
     def flush(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        settled = self.settle(timeout_s)
+        settled = self.settle(timeout_s, hurry=True)
         self.publish_capacity()
         self.run_engine_checks()
         if not self.started:
@@ -361,7 +391,7 @@ class HostWorker:
     def close(self, timeout_s: float) -> None:
         """Count what is queued, stop the thread, hand the last records to the consumer, within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        self.settle(timeout_s / 2)
+        self.settle(timeout_s / 2, hurry=True)
         self._tally.closed = True
         self._wake.set()
         thread = self._thread
@@ -421,6 +451,9 @@ class HostWorker:
         self._tally.lock = threading.Lock()
         self._starting = threading.Lock()
         self._wake = threading.Event()
+        self._hurried = 0
+        self._hurry_lock = threading.Lock()
+        self._drained = threading.Event()
         self._checking = threading.Lock()
         self._thread = None
         self.fast_ready = False
@@ -466,8 +499,10 @@ def _run(ref: weakref.ref[HostWorker], wake: threading.Event) -> None:
     state = {"pools": 0.0, "drain": 0.0, "tend": 0.0}
     tick, pause = DEFERRED_TICK_S, None
     while True:
-        if pause is not None:
+        if pause:
             time.sleep(pause)
+        elif pause is not None:  # a flush waits: only let go of the GIL (time.sleep(0) would cost a wake as well)
+            _let_go()
         else:
             wake.wait(tick)
             wake.clear()
@@ -484,7 +519,7 @@ def _flush_at_exit() -> None:
     """Count deferred records before the interpreter stops the host thread: half a second in all, however many."""
     deadline = time.monotonic() + 0.5
     for worker in fork.tracked():
-        worker.settle(max(0.0, deadline - time.monotonic()))
+        worker.settle(max(0.0, deadline - time.monotonic()), hurry=True)
 
 
 atexit.register(_flush_at_exit)
