@@ -143,6 +143,7 @@ class _Stats:
     host_thread_ns: list[float] = field(default_factory=list)  # otel_hicache's host thread's CPU per ack, per block
     rounds: list[float] = field(default_factory=list)  # ... its rounds per ack, per block
     round_cpu_ns: list[float] = field(default_factory=list)  # ... its CPU inside those rounds per ack, per block
+    left_for_flush: list[float] = field(default_factory=list)  # ... its entries still unbuilt per ack, block's end
     export_ns: list[float] = field(default_factory=list)  # the export process's CPU per ack, per block
     receiver_ns: list[float] = field(default_factory=list)  # the OTLP receiver's CPU per ack, per block
     acks: int = 0
@@ -391,6 +392,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
                     stats.empty_ns.append(empty / params.batch)
                     stats.admit_ns.append(admit / params.batch)
                 stats.tokens += params.batch * params.seq_tokens
+            unbuilt = sum(len(queue) for queue in otlp.telemetry._host.queues)  # what the flush builds
             cpu = time.process_time_ns() - p0 + (flush_cpu_ns(path.flush) if path.flush is not None else 0)
             if record and acks:
                 stats.host_ns.append(cpu / acks)
@@ -398,6 +400,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
                 rounds = timer.rounds[first_round:]
                 stats.rounds.append(len(rounds) / acks)
                 stats.round_cpu_ns.append(sum(cpu for cpu, _, _ in rounds) / acks)
+                stats.left_for_flush.append(unbuilt / acks)
                 stats.export_ns.append((_cpu_ns(placement.export_pid) - e0) / acks)
                 stats.receiver_ns.append((_cpu_ns(placement.receiver_pid) - r0) / acks)
         finally:
@@ -488,6 +491,7 @@ def _table(
             "of which otel_hicache's host thread (ns/transfer)",
             "host-thread rounds/transfer",
             "host thread between rounds (ns/transfer)",
+            "host-thread entries left for the flush (per transfer)",
             "export process CPU/transfer (ns)",
             "receiver CPU/transfer (ns)",
         ],
@@ -532,6 +536,7 @@ def _table(
                         median(s.host_thread_ns) if p.name == OURS else "-",
                         median(s.rounds) if p.name == OURS else "-",
                         median(s.host_thread_ns) - median(s.round_cpu_ns) if p.name == OURS else "-",
+                        median(s.left_for_flush) if p.name == OURS else "-",
                         median(s.export_ns),
                         median(s.receiver_ns),
                     ]
@@ -553,6 +558,7 @@ def _table(
                     "host_thread_cpu": median(s.host_thread_ns),
                     "host_thread_rounds": median(s.rounds),
                     "host_thread_between_rounds": median(s.host_thread_ns) - median(s.round_cpu_ns),
+                    "left_for_flush": median(s.left_for_flush),
                     "export_cpu": median(s.export_ns),
                     "receiver_cpu": median(s.receiver_ns),
                 }
@@ -585,7 +591,11 @@ def _table(
         f"{params.reps} interleaved repetitions x {params.batches_per_block} batches x {params.batch} steps per "
         f"path, call pattern and placement (one {params.seq_tokens}-token sequence per step, page 16, 2 layers); a "
         "fresh UnifiedRadixCache per block; placements, patterns and paths in rotating order. A block spans many "
-        "ticks of the telemetry's host thread, so the records it builds are built among the steps, as in serving.",
+        "ticks of the telemetry's host thread, so it builds records among the steps, as in serving; at this step "
+        "rate (steps back to back, no forward pass to wait for) it builds fewer than the steps hand it, and the "
+        "flush after the block builds the rest (its CPU is in the host columns): 'entries left for the flush' = "
+        "the host thread's queued entries at the block's end (a transfer's ack, a request's capacity lookup, a "
+        "batch's split: three per step), per transfer.",
         f"One scheduler step per merged transfer: insert, flush_pending_backups() (submission: start_writing, one "
         f"ack), the consuming check with that single ack queued, a check with nothing completed (what every step "
         f"without a completed ack pays), then one request admitted by a real PrefillAdder.add_one_req, hitting the "
