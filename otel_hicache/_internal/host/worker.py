@@ -348,7 +348,7 @@ class HostWorker:
                 if remaining <= 0:
                     return False
                 self._wake.set()
-                # a hurried round says when it is done; the bound covers a set that came before the clear
+                # a hurried round says when all is built; the bound covers one begun before the hurry (it says nothing)
                 self._drained.wait(min(remaining, 0.01 if hurry else 0.001))
         finally:
             if hurry:
