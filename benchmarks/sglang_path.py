@@ -399,7 +399,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
                 stats.host_thread_ns.append((_host_thread_cpu_ns() - t0) / acks)
                 rounds = timer.rounds[first_round:]
                 stats.rounds.append(len(rounds) / acks)
-                stats.round_cpu_ns.append(sum(cpu for cpu, _, _ in rounds) / acks)
+                stats.round_cpu_ns.append(sum(held for held, _, _ in rounds) / acks)
                 stats.left_for_flush.append(unbuilt / acks)
                 stats.export_ns.append((_cpu_ns(placement.export_pid) - e0) / acks)
                 stats.receiver_ns.append((_cpu_ns(placement.receiver_pid) - r0) / acks)
