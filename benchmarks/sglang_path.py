@@ -392,7 +392,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
                     stats.empty_ns.append(empty / params.batch)
                     stats.admit_ns.append(admit / params.batch)
                 stats.tokens += params.batch * params.seq_tokens
-            unbuilt = sum(len(queue) for queue in otlp.telemetry._host.queues)  # what the flush builds
+            unbuilt = otlp.telemetry._host.waiting()  # what the flush builds
             cpu = time.process_time_ns() - p0 + (flush_cpu_ns(path.flush) if path.flush is not None else 0)
             if record and acks:
                 stats.host_ns.append(cpu / acks)

@@ -61,7 +61,7 @@ BACKLOG_PAUSE_S = 0.0002
 BATCH_ENTRIES = 16
 #: How often the host thread looks for deferred records to build. Every wake costs the scheduler thread (a hand-over
 #: of the GIL, caches both threads find cold), so fewer wakes with more records each cost it less; what a SIGKILL
-#: loses is at most one tick of consumed acks (``benchmarks sigkill``).
+#: loses is about one tick of consumed acks, and those of the tick before still being built (``benchmarks sigkill``).
 DEFERRED_TICK_S = 0.05
 #: The host thread's name (what a profiler or py-spy shows).
 HOST_THREAD_NAME = "otel-hicache-host"
@@ -227,7 +227,7 @@ class HostWorker:
             self.publish_capacity()
             self.run_engine_checks()
             busy = True
-        backlog = sum(len(queue) for queue in self.queues) > self._max_queue * BACKLOG_SHARE
+        backlog = self.waiting() > self._max_queue * BACKLOG_SHARE
         slice_ns, pause_s = (BACKLOG_SLICE_NS, BACKLOG_PAUSE_S) if backlog else (SLICE_NS, PAUSE_S)
         # the once-a-second work above is part of this round's slice: a round stays within it
         more = self._build_deferred(started + slice_ns - time.perf_counter_ns())
@@ -245,6 +245,10 @@ class HostWorker:
                 state["drain"] = now + self._interval_s  # drained: back in one flush interval
             busy = True
         return pause_s if busy else None
+
+    def waiting(self) -> int:
+        """Deferred entries queued and not yet taken by the host thread."""
+        return sum(len(queue) for queue in self.queues)
 
     def tick_s(self) -> float:
         return min(self._interval_s, DEFERRED_TICK_S) if self._fast else TEND_INTERVAL_S
