@@ -138,6 +138,13 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
     # both goals are judged for every placement and call pattern (met or not: no timing is asserted)
     assert set(data["goals"]) == {f"{where}/{pattern}" for where in placements for pattern in patterns}
     assert all(set(goals) == {"submission_consumption", "whole", "host_cpu"} for goals in data["goals"].values())
+    # ... and each also per repetition, saying whether the repetitions agree (a noisy machine's are not resolved)
+    assert {key: set(goals) for key, goals in data["resolved"].items()} == {
+        key: set(goals) for key, goals in data["goals"].items()
+    }
+    assert all(isinstance(agree, bool) for goals in data["resolved"].values() for agree in goals.values())
+    goal_notes = [note for note in table["notes"] if note.startswith("Goals for otel_hicache")]
+    assert len(goal_notes) == len(data["goals"]) and all(note.count("per repetition") == 3 for note in goal_notes)
     assert data["export_process_found"]
     for name, values in data.items():
         if isinstance(values, dict) and "whole_added" in values:
