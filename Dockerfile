@@ -9,7 +9,7 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
-COPY otel_hicache ./otel_hicache
+COPY src ./src
 # The demo extra brings click, tqdm and numpy (torch warns "Failed to initialize NumPy" at import without it).
 RUN pip install '.[demo]' && python -c "import numpy, torch" && useradd --create-home --uid 10001 demo
 

@@ -27,6 +27,7 @@ from otel_hicache.telemetry import HiCacheTelemetry
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
+PACKAGE = ROOT / "src" / "otel_hicache"
 
 
 def section(path: Path, title: str) -> str:
@@ -75,7 +76,7 @@ def test_python_examples_of_the_readme_and_docs_run() -> None:
 def test_adding_an_engine_names_files_that_exist() -> None:
     text = section(DOCS / "adding-an-engine.md", "Add an engine")
     paths = [p for p in re.findall(r"`([\w./<>]+\.(?:py|toml))`", text) if "<" not in p]
-    assert "otel_hicache/integrations/_base.py" in paths and "tests/integrations/test_base.py" in paths
+    assert "src/otel_hicache/integrations/_base.py" in paths and "tests/integrations/test_base.py" in paths
     for path in paths:
         assert (ROOT / path).is_file(), path
 
@@ -147,10 +148,10 @@ def _checks(engine: str, markers: list[str]) -> dict[str, Callable[[], bool]]:
     plugins = [ep.value for ep in dist.entry_points if ep.group != "opentelemetry_instrumentor"]
     instrument = next((t for t in _titles() if t.lower() == f"instrument {engine}"), None)
     return {
-        "otel_hicache/integrations/<engine>/": lambda: (ROOT / "otel_hicache" / "integrations" / engine).is_dir(),
-        "otel_hicache/semconv.py": lambda: engine in {e.value for e in sc.Engine},
+        "src/otel_hicache/integrations/<engine>/": lambda: (PACKAGE / "integrations" / engine).is_dir(),
+        "src/otel_hicache/semconv.py": lambda: engine in {e.value for e in sc.Engine},
         "registry/hicache/registry.yaml": lambda: engine in {m["value"] for m in engines["type"]["members"]},
-        "otel_hicache/package.py": lambda: (
+        "src/otel_hicache/package.py": lambda: (
             hasattr(package_module, f"_instruments_{engine}") and f"instruments-{engine}" in package_module.EXTRAS
         ),
         "pyproject.toml": lambda: (
@@ -159,7 +160,7 @@ def _checks(engine: str, markers: list[str]) -> dict[str, Callable[[], bool]]:
             and any(v.startswith(f"{package}.plugin:") for v in plugins)
             and any(m.startswith(f"{engine}:") for m in markers)
         ),
-        "otel_hicache/integrations/__init__.py": lambda: f":mod:`{package}`" in str(integrations.__doc__),
+        "src/otel_hicache/integrations/__init__.py": lambda: f":mod:`{package}`" in str(integrations.__doc__),
         "docs/<engine>.md": lambda: (
             (DOCS / f"{engine}.md").is_file()
             and instrument is not None
@@ -182,9 +183,7 @@ def _titles() -> list[str]:
 
 def test_every_engine_is_in_every_place_adding_an_engine_lists(pytestconfig: pytest.Config) -> None:
     """The list and the checks are one-to-one, and every engine adapter of the package passes every check."""
-    engines = sorted(
-        p.name for p in (ROOT / "otel_hicache" / "integrations").iterdir() if (p / "__init__.py").is_file()
-    )
+    engines = sorted(p.name for p in (PACKAGE / "integrations").iterdir() if (p / "__init__.py").is_file())
     assert engines == ["sglang", "vllm"]
     for engine in engines:
         checks = _checks(engine, pytestconfig.getini("markers"))

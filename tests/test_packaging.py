@@ -160,8 +160,8 @@ def test_the_command_without_the_demo_extra_says_in_one_line_what_to_install(tmp
 
 
 def test_the_wheel_ships_no_testing_code_and_requires_only_the_core(tmp_path: Path) -> None:
-    source = tmp_path / "src"  # what a clone holds (no build/ of an earlier run), as the Dockerfile copies it
-    shutil.copytree(ROOT / "otel_hicache", source / "otel_hicache", ignore=shutil.ignore_patterns("__pycache__"))
+    source = tmp_path / "clone"  # what a clone holds (no build/ of an earlier run), as the Dockerfile copies it
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     built = subprocess.run(

@@ -97,16 +97,16 @@ def places() -> set[str]:
     """The files docs/architecture.md says a new metric (or a new record kind) touches."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     paragraph = text.split("Adding a metric touches", 1)[1].split("\n\n", 1)[0]
-    return set(re.findall(r"`((?:otel_hicache|registry|docs|tests)/[\w./]+)`", paragraph))
+    return set(re.findall(r"`((?:src/otel_hicache|registry|docs|tests)/[\w./]+)`", paragraph))
 
 
 def modules_matching(pattern: str) -> set[str]:
     """The core's modules (engine adapters, the reference cache and the test helpers are producers or readers of
     their own) whose source matches ``pattern``."""
     found = set()
-    for path in sorted((ROOT / "otel_hicache").rglob("*.py")):
+    for path in sorted((ROOT / "src" / "otel_hicache").rglob("*.py")):
         relative = path.relative_to(ROOT).as_posix()
-        if relative.startswith(("otel_hicache/integrations/", "otel_hicache/cache/", "otel_hicache/testing/")):
+        if relative.startswith(tuple(f"src/otel_hicache/{folder}/" for folder in ("integrations", "cache", "testing"))):
             continue
         if re.search(pattern, path.read_text()):
             found.add(relative)
@@ -118,7 +118,7 @@ def test_the_architecture_names_every_place_a_new_metric_touches() -> None:
     for path in named:
         assert (ROOT / path).exists(), path
     # the row, the generated files, what writes a metric's slots or queues its points
-    assert {"otel_hicache/semconv.py", "registry/hicache/metrics.yaml", "docs/vocabulary.md"} <= named
+    assert {"src/otel_hicache/semconv.py", "registry/hicache/metrics.yaml", "docs/vocabulary.md"} <= named
     assert modules_matching(r"slots\[sc\.METRIC_|_put_points\(\s*sc\.METRIC_") <= named
     # a metric of a new record kind: every core module that spells an existing kind's record (the KV wait's)
     assert modules_matching(r"\bKvWait\b|RecordKind\.KV_WAIT\b") <= named

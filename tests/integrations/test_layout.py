@@ -13,7 +13,7 @@ import pytest
 from otel_hicache.integrations._base import ADAPTER_LAYOUT
 
 ROOT = Path(__file__).parents[2]
-INTEGRATIONS = ROOT / "otel_hicache" / "integrations"
+INTEGRATIONS = ROOT / "src" / "otel_hicache" / "integrations"
 ADAPTERS = sorted(p for p in INTEGRATIONS.iterdir() if (p / "__init__.py").is_file())
 #: Each layout module's layer; a module may import only modules of lower layers (engine-only modules: 1).
 LAYERS = {"semconv.py": 0, "hooks.py": 2, "instrumentor.py": 3, "plugin.py": 4, "__init__.py": 5}

@@ -109,6 +109,10 @@ def test_the_sglang_suite_needs_no_sglang_test_kit() -> None:
     """Only SGLang's own classes: its test kits (``sglang.test.kits.*``, new in 0.5.23) would pin the suite to one
     release."""
     root = Path(__file__).parents[2]
-    sources = [*root.glob("tests/sglang/*.py"), root / "otel_hicache/testing/sglang.py", *root.glob("benchmarks/*.py")]
+    sources = [
+        *root.glob("tests/sglang/*.py"),
+        root / "src/otel_hicache/testing/sglang.py",
+        *root.glob("benchmarks/*.py"),
+    ]
     users = [p.relative_to(root) for p in sources if re.search(r"\bsglang\.test\b", p.read_text())]
     assert users == []

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from otel_hicache import semconv as sc
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]  # the clone (this file: src/otel_hicache/testing/)
 METRICS_YAML = ROOT / "registry" / "hicache" / "metrics.yaml"
 VOCABULARY_MD = ROOT / "docs" / "vocabulary.md"
 #: The instrument table of docs/vocabulary.md stands between these lines.

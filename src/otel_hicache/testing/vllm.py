@@ -21,8 +21,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-#: The clone's root: on ``PYTHONPATH`` of every vLLM process, which imports the spec by its module path.
-ROOT = Path(__file__).resolve().parents[2]
+#: The clone. It and its ``src/`` are on ``PYTHONPATH`` of every vLLM process: the tests' engine apps and the spec are
+#: imported by their module paths.
+ROOT = Path(__file__).resolve().parents[3]
 #: Where vLLM finds the host-copy spec.
 SPEC_MODULE = "otel_hicache.testing.vllm_host_copy"
 
@@ -116,7 +117,7 @@ def environment(**extra: str) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")])),
         **extra,
     }
 
