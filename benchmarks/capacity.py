@@ -9,19 +9,25 @@
   the steady state of a large one (every prompt new: the sampling rate has dropped far below 1).
 * **The hot path with the estimator on**: ``record_transfer`` per call on the calling thread, with and without a
   producer feeding a 4,096-token lookup every 4 transfers (the host thread then builds lookups beside it).
+* **The host thread of a host whose only deferred work is the estimator** (vLLM's engine core), exporting over OTLP
+  to a receiver in this process: its wakes (voluntary context switches, ``/proc``) and CPU per second, idle and at
+  ``ADMISSIONS_PER_S`` admissions a second (block hashes given). Every wake takes the host's GIL.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from dataclasses import dataclass
 
 from benchmarks._common import Table, median
+from otel_hicache._internal.host.worker import CAPACITY_TICK_S, DEFERRED_TICK_S, HOST_THREAD_NAME
 from otel_hicache.capacity import TierCapacity, page_keys
 from otel_hicache.records import TransferRecord
 from otel_hicache.semconv import Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import HiCacheTelemetry
+from otel_hicache.testing.otlp_receiver import OtlpReceiver
 from otel_hicache.testing.sdk import make_sdk
 
 PROMPT_TOKENS = 4096
@@ -30,6 +36,7 @@ PAGES = PROMPT_TOKENS // PAGE
 INCLUSIVE = (TierCapacity(Tier.DEVICE, 1 << 20), TierCapacity(Tier.HOST, 1 << 22))
 EXCLUSIVE = (TierCapacity(Tier.DEVICE, 1 << 20), TierCapacity(Tier.HOST, 1 << 22, inclusive=False))
 PUT_GOAL_NS = 1_000
+ADMISSIONS_PER_S = 50
 
 
 @dataclass
@@ -38,10 +45,11 @@ class Params:
     lookups: int = 400  # timed, per variant
     warm: int = 600  # lookups of new prompts before the steady state is timed (8,192 pages sampled long before)
     transfers: int = 20_000
+    wake_seconds: float = 5.0  # per phase (idle, admitting)
 
     @classmethod
     def smoke(cls) -> Params:
-        return cls(puts=200, lookups=5, warm=40, transfers=200)
+        return cls(puts=200, lookups=5, warm=40, transfers=200, wake_seconds=1.0)
 
 
 def _record() -> TransferRecord:
@@ -114,6 +122,42 @@ def _transfer_ns(params: Params, telemetry: HiCacheTelemetry, feed_every: int | 
     return median(batches)
 
 
+def _host_thread(tid: int) -> tuple[int, int]:
+    """(voluntary context switches, CPU ns) of this process's thread ``tid`` so far."""
+    with open(f"/proc/self/task/{tid}/status") as f:
+        switches = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        return switches, int(f.read().split()[0])
+
+
+def _estimator_only_wakes(params: Params) -> dict[str, tuple[float, float]]:
+    """Per phase ('idle', 'admitting'): the host thread's (wakes, CPU ns) per second, over OTLP with the estimator
+    as its only deferred work."""
+    from otel_hicache.sdk import configure
+
+    prompts = [[random.Random(i).getrandbits(60) for _ in range(PAGES)] for i in range(64)]
+    found: dict[str, tuple[float, float]] = {}
+    with OtlpReceiver() as receiver:
+        setup = configure(env={}, endpoint=receiver.grpc_endpoint, protocol="grpc")
+        try:
+            feed = setup.telemetry.capacity_feed(PAGE, INCLUSIVE)
+            (tid,) = [t.native_id for t in threading.enumerate() if t.name == HOST_THREAD_NAME and t.native_id]
+            time.sleep(1.0)  # the export process's start is not a phase's
+            for phase in ("idle", "admitting"):
+                switches, cpu_ns = _host_thread(tid)
+                start = time.monotonic()
+                for n in range(int(params.wake_seconds * ADMISSIONS_PER_S)):
+                    if phase == "admitting":
+                        feed.put((next(feed.seq), prompts[n % 64], PROMPT_TOKENS))
+                    time.sleep(max(0.0, start + (n + 1) / ADMISSIONS_PER_S - time.monotonic()))
+                elapsed = time.monotonic() - start
+                switches_after, cpu_after = _host_thread(tid)
+                found[phase] = ((switches_after - switches) / elapsed, (cpu_after - cpu_ns) / elapsed)
+        finally:
+            setup.shutdown()
+    return found
+
+
 def run(params: Params, command: str) -> Table:
     table = Table(
         key="capacity",
@@ -143,6 +187,13 @@ def run(params: Params, command: str) -> Table:
             sdk.shutdown()
         table.rows.append(["scheduler thread", f"record_transfer, estimator {label}", f"{cost:.0f} ns"])
         data[f"record_transfer_ns/{label}"] = cost
+    for phase, (wakes, cpu_ns) in _estimator_only_wakes(params).items():
+        variant = "idle" if phase == "idle" else f"{ADMISSIONS_PER_S} admissions/s"
+        per = f"{wakes:.1f} wakes/s, {cpu_ns / 1e6:.2f} ms CPU/s"
+        if phase != "idle":
+            per += f" ({cpu_ns / ADMISSIONS_PER_S / 1000:.0f} us per request)"
+        table.rows.append(["host thread, estimator its only deferred work (OTLP)", variant, per])
+        data[f"host_wakes_per_s/{phase}"], data[f"host_cpu_ns_per_s/{phase}"] = wakes, cpu_ns
     table.data = data
     table.notes.append(
         f"Goal: about {PUT_GOAL_NS} ns on the scheduler thread per admitted request; the host thread's CPU per "
@@ -151,5 +202,12 @@ def run(params: Params, command: str) -> Table:
     table.notes.append(
         "Medians. 'every page sampled': 16 shared prompts (4,096 pages); 'steady state': every prompt new, so the "
         "sample (8,192 pages) is full and its rate keeps dropping; computing keys costs a hash per 16-token page."
+    )
+    table.notes.append(
+        f"'estimator its only deferred work': configure() over OTLP gRPC to a receiver in this process, "
+        f"{params.wake_seconds:g} s per phase, {ADMISSIONS_PER_S} admissions a second of 64 prompts (block hashes "
+        "given); wakes = the host thread's voluntary context switches (each takes the host's GIL), CPU = its "
+        f"schedstat time. The thread looks for lookups every {CAPACITY_TICK_S:g} s here (CAPACITY_TICK_S), every "
+        f"{DEFERRED_TICK_S * 1e3:g} ms once deferred records come, and pauses 1 ms after each 50 us slice."
     )
     return table

@@ -18,7 +18,14 @@ from otel_hicache._internal.host import validation
 from otel_hicache._internal.host import worker as worker_module
 from otel_hicache._internal.host.consumers import InProcessConsumer
 from otel_hicache._internal.host.counting import Tally
-from otel_hicache._internal.host.worker import HOST_THREAD_NAME, TEND_INTERVAL_S, HostWorker, weakly
+from otel_hicache._internal.host.worker import (
+    CAPACITY_TICK_S,
+    DEFERRED_TICK_S,
+    HOST_THREAD_NAME,
+    TEND_INTERVAL_S,
+    HostWorker,
+    weakly,
+)
 from otel_hicache._internal.shared.accumulation import Layout
 from otel_hicache._internal.shared.channel import HEADER_INTS
 from otel_hicache.records import PoolUsage, TransferRecord
@@ -229,5 +236,29 @@ def test_a_pool_source_alone_leaves_an_exporting_hosts_thread_on_its_slow_tick()
             assert host.started and host.pool_sources and host.tick_s() == TEND_INTERVAL_S
             setup.telemetry.record_transfer_deferred(lambda _: backup(1), None)
             assert host.tick_s() < TEND_INTERVAL_S
+        finally:
+            setup.shutdown()
+
+
+def test_capacity_lookups_alone_wake_an_exporting_hosts_thread_four_times_a_second() -> None:
+    """vLLM's engine core feeds only the capacity estimator: an estimate published once a second, whose lookups need
+    no 50 ms tick (20 wakes a second of a thread that takes the engine's GIL); they are still all built, and deferred
+    records still get the fast tick."""
+    from otel_hicache.capacity import TierCapacity
+    from otel_hicache.sdk import configure
+    from otel_hicache.testing.otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver() as rx:
+        setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
+        try:
+            telemetry = setup.telemetry
+            host = telemetry._host
+            feed = telemetry.capacity_feed(16, [TierCapacity(Tier.DEVICE, 1024)])
+            for i in range(3):
+                feed.put((next(feed.seq), [i, i + 1], 32))
+            assert host.started and not host.fast_ready and host.tick_s() == CAPACITY_TICK_S
+            assert host.settle() and host.waiting() == 0
+            telemetry.record_transfer_deferred(lambda _: backup(1), None)
+            assert host.fast_ready and host.tick_s() == DEFERRED_TICK_S
         finally:
             setup.shutdown()

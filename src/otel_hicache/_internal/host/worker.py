@@ -11,7 +11,8 @@ engine check; over OTLP by the constructor). Each round (:meth:`HostWorker.work`
 * in-process, turns the ring's records into spans and points in slices, at least every flush interval.
 
 It ticks every :data:`DEFERRED_TICK_S` while it has deferred records to build, and always in-process, where it
-drains the ring (else every :data:`TEND_INTERVAL_S`: pool sources alone need no faster tick) and pauses
+drains the ring; every :data:`CAPACITY_TICK_S` for capacity lookups alone (vLLM's engine core); else every
+:data:`TEND_INTERVAL_S` (pool sources alone need no faster tick). It pauses
 :data:`PAUSE_S` after a busy round, so the scheduler thread gets the GIL back. Reads of the counters wait (bounded)
 for what is queued to be built (:meth:`HostWorker.settle`); while a flush or a shutdown waits, the thread builds
 without pausing between its slices (it only lets go of the GIL): the waiting thread needs nothing else, and every
@@ -63,6 +64,10 @@ BATCH_ENTRIES = 16
 #: of the GIL, caches both threads find cold), so fewer wakes with more records each cost it less; what a SIGKILL
 #: loses is about one tick of consumed acks, and those of the tick before still being built (``benchmarks sigkill``).
 DEFERRED_TICK_S = 0.05
+#: How often it looks for capacity lookups when no deferred record needs the faster tick. They only feed an estimate
+#: that is published once a second (POOL_INTERVAL_S), and a SIGKILL that loses some loses no count; four wakes a
+#: second instead of twenty keep the queue short (a quarter second of admissions) and leave the engine's threads alone.
+CAPACITY_TICK_S = 0.25
 #: The host thread's name (what a profiler or py-spy shows).
 HOST_THREAD_NAME = "otel-hicache-host"
 #: How often the host thread reads the pool-usage sources.
@@ -123,8 +128,10 @@ class HostWorker:
         self._drained = threading.Event()  # set by a hurried round that left no deferred record unbuilt
         self.started = False  # consumer tended and host thread running
         self._next_start_attempt = 0.0
-        self._fast = not shared  # the host thread ticks every DEFERRED_TICK_S (else TEND_INTERVAL_S)
-        self.fast_ready = False  # ... and it runs
+        # how often the host thread wakes: DEFERRED_TICK_S in-process or once deferred records come, CAPACITY_TICK_S
+        # for capacity lookups alone, else TEND_INTERVAL_S
+        self._tick_s = DEFERRED_TICK_S if not shared else TEND_INTERVAL_S
+        self.fast_ready = False  # ... it ticks every DEFERRED_TICK_S, and it runs
         self.consumer: Consumer
         tally.bind(self._new_channel())
 
@@ -147,7 +154,10 @@ class HostWorker:
     def new_queue(self, build: Build, kind: RecordKind = RecordKind.TRANSFER, batched: bool = False) -> DeferredQueue:
         queue = DeferredQueue(build, self._max_queue, kind, batched)
         self.queues.append(queue)
-        self.want_fast()
+        if kind is RecordKind.CAPACITY:
+            self._want_tick(CAPACITY_TICK_S)
+        else:
+            self.want_fast()
         return queue
 
     def add_pool_source(self, source: PoolSource) -> None:
@@ -191,10 +201,15 @@ class HostWorker:
 
     def want_fast(self) -> None:
         """Deferred records: the host thread ticks every DEFERRED_TICK_S from now on."""
-        self._fast = True
-        if self.start():
-            self.fast_ready = True
-            self._wake.set()
+        self.fast_ready = self._want_tick(DEFERRED_TICK_S)
+
+    def _want_tick(self, tick_s: float) -> bool:
+        """The host thread ticks at least every ``tick_s`` from now on; True once it runs (woken to take it up)."""
+        self._tick_s = min(self._tick_s, tick_s)
+        if not self.start():
+            return False
+        self._wake.set()
+        return True
 
     def _start_thread(self) -> bool:
         with self._tally.lock:
@@ -251,7 +266,7 @@ class HostWorker:
         return sum(len(queue) for queue in self.queues)
 
     def tick_s(self) -> float:
-        return min(self._interval_s, DEFERRED_TICK_S) if self._fast else TEND_INTERVAL_S
+        return min(self._interval_s, DEFERRED_TICK_S) if self._tick_s <= DEFERRED_TICK_S else self._tick_s
 
     def _build_deferred(self, budget_ns: int) -> bool:
         """Build and count deferred records, each queue oldest first (a batched one: up to BATCH_ENTRIES in one
