@@ -59,6 +59,7 @@ def build_model(directory: str | os.PathLike[str]) -> Path:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging as transformers_logging
 
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
@@ -69,7 +70,13 @@ def build_model(directory: str | os.PathLike[str]) -> Path:
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     ).save_pretrained(path)
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**LLAMA)).save_pretrained(path)
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # a bar for one tiny shard, in the middle of a benchmark's output
+    try:
+        LlamaForCausalLM(LlamaConfig(**LLAMA)).save_pretrained(path)
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
     return path
 
 
