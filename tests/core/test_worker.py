@@ -5,6 +5,7 @@ was never built; a worker nobody holds ends its thread."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -258,6 +259,19 @@ def test_capacity_lookups_alone_wake_an_exporting_hosts_thread_four_times_a_seco
                 feed.put((next(feed.seq), [i, i + 1], 32))
             assert host.started and not host.fast_ready and host.tick_s() == CAPACITY_TICK_S
             assert host.settle() and host.waiting() == 0
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # a forked child (its own thread and exporter): its deferred records get the fast tick too
+                try:
+                    ticks = [host.tick_s()]
+                    telemetry.record_transfer_deferred(lambda _: backup(1), None)
+                    os.write(write_end, repr([*ticks, host.tick_s()]).encode())
+                finally:
+                    os._exit(0)
+            os.close(write_end)
+            in_child = os.read(read_end, 100).decode()
+            os.waitpid(pid, 0)
+            assert in_child == repr([CAPACITY_TICK_S, DEFERRED_TICK_S])
             telemetry.record_transfer_deferred(lambda _: backup(1), None)
             assert host.fast_ready and host.tick_s() == DEFERRED_TICK_S
         finally:

@@ -490,7 +490,8 @@ class HostWorker:
             self._tally.bind(self._new_channel())
         self.consumer = self.consumer.after_fork_in_child(self.channel)
         if self.pool_sources or self.engine_checks or len(self.queues) > 1:  # nothing else would start it
-            self.fast_ready = self._start_thread()  # its first tend launches the child's exporter
+            # its first tend launches the child's exporter; a deferred record still speeds up a capacity-only tick
+            self.fast_ready = self._start_thread() and self._tick_s <= DEFERRED_TICK_S
 
 
 def weakly(method: Callable[_P, Any]) -> Callable[_P, None]:
