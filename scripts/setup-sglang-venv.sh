@@ -55,9 +55,10 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip setuptools wheel
 "${PIP[@]}" "$TORCH_SPEC" "$TORCHVISION_SPEC"
 "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
-"${PIP[@]}" "${SGLANG_RUNTIME_DEPS[@]}" "$TORCH_SPEC" "$TORCHVISION_SPEC"
+# sglang's GPU requirements stay out on purpose: pip's list of them after every later install says nothing new
+"${PIP[@]}" --no-warn-conflicts "${SGLANG_RUNTIME_DEPS[@]}" "$TORCH_SPEC" "$TORCHVISION_SPEC"
 # The project itself with its test extras; pinning torch again keeps pip from "upgrading" it.
-"${PIP[@]}" -e "$ROOT[test]" "opentelemetry-distro>=0.66b0" "$TORCH_SPEC" "$TORCHVISION_SPEC"
+"${PIP[@]}" --no-warn-conflicts -e "$ROOT[test]" "opentelemetry-distro>=0.66b0" "$TORCH_SPEC" "$TORCHVISION_SPEC"
 
 "$VENV/bin/python" -c "import sglang, torch; print('setup-sglang-venv: sglang', sglang.__version__, 'torch', torch.__version__)"
 echo "$WANT" >"$STAMP"

@@ -70,11 +70,15 @@ for line in metadata.requires("vllm") or []:
     print(line.split(";")[0].strip())
 EOF
   )
-  "${PIP[@]}" "${REQUIREMENTS[@]}" "$TORCH_SPEC"
-  "${PIP[@]}" -e "$ROOT[test]" "$TORCH_SPEC"  # vllm is no requirement of ours: pip leaves it as it is
+  # the denied GPU requirements stay out on purpose: pip's list of them after each install says nothing new
+  "${PIP[@]}" --no-warn-conflicts "${REQUIREMENTS[@]}" "$TORCH_SPEC"
+  "${PIP[@]}" --no-warn-conflicts -e "$ROOT[test]" "$TORCH_SPEC"  # vllm is no requirement of ours: pip leaves it
 fi
-# Last: any install above may bring them back as vLLM's dependencies.
-"$VENV/bin/python" -m pip uninstall --quiet --disable-pip-version-check -y torchvision torchaudio torchcodec
+# Last: any install above may bring them back as vLLM's dependencies (-qq: no line for each one that is not there).
+"$VENV/bin/python" -m pip uninstall -qq --disable-pip-version-check -y torchvision torchaudio torchcodec
 
-"$VENV/bin/python" -c "$CHECK; import vllm, torch; print('setup-vllm-venv: vllm', vllm.__version__, 'torch', torch.__version__)"
+# vLLM and torch log their CPU-machine notices (no Triton CPU backend, no CUDA runtime) on import: shown on failure only
+REPORT="$CHECK; import vllm, torch; print('setup-vllm-venv: vllm', vllm.__version__, 'torch', torch.__version__)"
+checked=$("$VENV/bin/python" -c "$REPORT" 2>&1) || { printf '%s\n' "$checked" >&2; exit 1; }
+printf '%s\n' "$checked" | grep '^setup-vllm-venv: '
 echo "$WANT" >"$STAMP"
