@@ -116,6 +116,26 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def host_thread_id() -> int | None:
+    """The native id of this process's otel_hicache host thread; None without one."""
+    from otel_hicache._internal.host.worker import HOST_THREAD_NAME
+
+    for thread in threading.enumerate():
+        if thread.name == HOST_THREAD_NAME and thread.native_id is not None:
+            return thread.native_id
+    return None
+
+
+def thread_cpu_ns(pid: int, tid: int) -> int:
+    """CPU time of thread ``tid`` of process ``pid`` so far, in ns (``/proc/PID/task/TID/schedstat``); 0 once it
+    ended."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class RssSampler:
     """Samples RSS every ``interval_s`` on a daemon thread; ``samples`` is ``[(seconds since start, bytes)]``."""
 

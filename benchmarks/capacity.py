@@ -16,13 +16,13 @@
 
 from __future__ import annotations
 
+import os
 import random
-import threading
 import time
 from dataclasses import dataclass
 
-from benchmarks._common import Table, median
-from otel_hicache._internal.host.worker import CAPACITY_TICK_S, DEFERRED_TICK_S, HOST_THREAD_NAME
+from benchmarks._common import Table, host_thread_id, median, thread_cpu_ns
+from otel_hicache._internal.host.worker import CAPACITY_TICK_S, DEFERRED_TICK_S
 from otel_hicache.capacity import TierCapacity, page_keys
 from otel_hicache.records import TransferRecord
 from otel_hicache.semconv import Tier, TimingSource, TransferOperation
@@ -126,8 +126,7 @@ def _host_thread(tid: int) -> tuple[int, int]:
     """(voluntary context switches, CPU ns) of this process's thread ``tid`` so far."""
     with open(f"/proc/self/task/{tid}/status") as f:
         switches = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
-    with open(f"/proc/self/task/{tid}/schedstat") as f:
-        return switches, int(f.read().split()[0])
+    return switches, thread_cpu_ns(os.getpid(), tid)
 
 
 def _estimator_only_wakes(params: Params) -> dict[str, tuple[float, float]]:
@@ -141,7 +140,8 @@ def _estimator_only_wakes(params: Params) -> dict[str, tuple[float, float]]:
         setup = configure(env={}, endpoint=receiver.grpc_endpoint, protocol="grpc")
         try:
             feed = setup.telemetry.capacity_feed(PAGE, INCLUSIVE)
-            (tid,) = [t.native_id for t in threading.enumerate() if t.name == HOST_THREAD_NAME and t.native_id]
+            tid = host_thread_id()
+            assert tid is not None, "configure() over OTLP starts the host thread"
             time.sleep(1.0)  # the export process's start is not a phase's
             for phase in ("idle", "admitting"):
                 switches, cpu_ns = _host_thread(tid)

@@ -46,14 +46,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Table, median
+from benchmarks._common import Table, host_thread_id, median, thread_cpu_ns
 
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_VENV_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
@@ -233,12 +232,8 @@ def _set_affinity(pid: int, cpus: set[int]) -> None:
 
 def _host_thread_cpu_ns() -> int:
     """CPU time so far of this process's otel_hicache host thread, in ns; 0 without one."""
-    from otel_hicache._internal.host.worker import HOST_THREAD_NAME
-
-    for thread in threading.enumerate():
-        if thread.name == HOST_THREAD_NAME and thread.native_id is not None:
-            return _thread_cpu_ns(os.getpid(), thread.native_id)
-    return 0
+    tid = host_thread_id()
+    return 0 if tid is None else thread_cpu_ns(os.getpid(), tid)
 
 
 def _cpu_ns(pid: int | None) -> int:
@@ -249,16 +244,7 @@ def _cpu_ns(pid: int | None) -> int:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return 0
-    return sum(_thread_cpu_ns(pid, int(tid)) for tid in tids)
-
-
-def _thread_cpu_ns(pid: int, tid: int) -> int:
-    """CPU time of thread ``tid`` of process ``pid`` so far, in ns (``/proc/PID/task/TID/schedstat``); 0 once it
-    ended."""
-    try:
-        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
+    return sum(thread_cpu_ns(pid, int(tid)) for tid in tids)
 
 
 def _run(params: Params, command: str, time_builds: bool) -> Table:
