@@ -106,7 +106,9 @@ def modules_matching(pattern: str) -> set[str]:
     found = set()
     for path in sorted((ROOT / "src" / "otel_hicache").rglob("*.py")):
         relative = path.relative_to(ROOT).as_posix()
-        if relative.startswith(tuple(f"src/otel_hicache/{folder}/" for folder in ("integrations", "cache", "testing"))):
+        if relative.startswith(
+            ("src/otel_hicache/integrations/", "src/otel_hicache/cache/", "src/otel_hicache/testing/")
+        ):
             continue
         if re.search(pattern, path.read_text()):
             found.add(relative)
