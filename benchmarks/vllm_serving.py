@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import random
 import select
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from benchmarks import _vllm_busy
 from benchmarks._common import Table, median, percentile
 from otel_hicache.testing.otlp_receiver import OtlpReceiver
 from otel_hicache.testing.vllm import BLOCK_TOKENS, WORDS, build_model, engine_arguments, environment
@@ -108,6 +110,8 @@ def app(model: str, stats: bool, result_fd: int) -> None:
     import prometheus_client
     from vllm import LLM, SamplingParams
 
+    # what the engine core and the worker count (their plugin)
+    busy = _vllm_busy.BusyCounters(os.environ[_vllm_busy.COUNTERS_ENV])
     out = os.fdopen(result_fd, "w", buffering=1)
     arguments = engine_arguments(model, CPU_CHUNKS, gpu_blocks=GPU_BLOCKS, max_model_len=MAX_MODEL_LEN)
     llm = LLM(**arguments, disable_log_stats=not stats)
@@ -133,6 +137,7 @@ def app(model: str, stats: bool, result_fd: int) -> None:
         batch = prompts.setdefault((seed, requests), workload(seed, requests))[start : start + count]
         ttft, tokens, cached, wall = [], 0, 0, 0.0
         first = time.clock_gettime(time.CLOCK_BOOTTIME)  # the clock of a process's start time in /proc
+        before = busy.read()
         for i in range(0, len(batch), PER_GENERATE):
             began = time.monotonic()
             outputs = llm.generate(batch[i : i + PER_GENERATE], sampling, use_tqdm=False)
@@ -142,8 +147,9 @@ def app(model: str, stats: bool, result_fd: int) -> None:
                 cached += output.num_cached_tokens or 0
                 if output.metrics is not None:
                     ttft.append(output.metrics.first_token_latency)
+        after = busy.read()
         return {"first": first, "wall_s": wall, "requests": len(batch), "tokens": tokens, "cached": cached,
-                "ttft_s": ttft}  # fmt: skip
+                "ttft_s": ttft, "busy": {key: after[key] - before[key] for key in after}}  # fmt: skip
 
     for line in sys.stdin:  # "counts", or "seed requests start count"
         words = line.split()
@@ -221,19 +227,29 @@ def _marked(name: str) -> list[int]:
 class Engine:
     """One engine's ``LLM`` process and the pipe it answers on."""
 
-    def __init__(self, name: str, model: Path, endpoint: str, log: IO[str]) -> None:
+    def __init__(self, name: str, model: Path, endpoint: str, log: IO[str], timers: Path) -> None:
+        """``timers``: where the busy timers' plugin is (:func:`~benchmarks._vllm_busy.plugin_path`); this engine's
+        counters are written there too."""
         self.name = name
         plugin = name == "on"
-        extra = {MARK: f"{name}-{os.getpid()}", "VLLM_PLUGINS": "vllm_kv_offload" if plugin else ""}
+        plugins = ["vllm_kv_offload", _vllm_busy.PLUGIN] if plugin else [_vllm_busy.PLUGIN]
+        counters = _vllm_busy.BusyCounters.create(timers / f"{name}.busy")
+        extra = {
+            MARK: f"{name}-{os.getpid()}",
+            "VLLM_PLUGINS": ",".join(plugins),
+            _vllm_busy.COUNTERS_ENV: str(counters),
+        }
         if plugin:
             extra |= {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
             extra |= {"OTEL_SERVICE_NAME": "vllm-bench"}
+        env = environment(**extra)
+        env["PYTHONPATH"] = os.pathsep.join([str(timers), env["PYTHONPATH"]])
         read, write = os.pipe()
         argv = [sys.executable, "-m", "benchmarks.vllm_serving", "app", str(model), "--result-fd", str(write)]
         self.process = subprocess.Popen(
             [*argv, *(["--stats"] if name != "bare" else [])],
             cwd=ROOT,
-            env=environment(**extra),
+            env=env,
             stdin=subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -310,9 +326,10 @@ class Exporters:
 def _engines(params: Params, model: Path, endpoint: str, logs: Path) -> Iterator[dict[str, Engine]]:
     with ExitStack() as stack:
         engines = {}
+        timers = _vllm_busy.plugin_path(logs / "timers")
         for name in params.engines:
             log = stack.enter_context(open(logs / f"{name}.log", "w"))
-            engines[name] = Engine(name, model, endpoint, log)
+            engines[name] = Engine(name, model, endpoint, log, timers)
             stack.callback(engines[name].stop)
         yield engines
 
@@ -337,6 +354,10 @@ def run(params: Params, command: str) -> Table:
             "TTFT p50 (ms)",
             "TTFT p99 (ms)",
             "engine-core CPU/step (ms)",
+            "engine-core scheduler busy/step (us)",
+            "of it, KV connector (us)",
+            "worker busy/step (ms)",
+            "of it, KV connector (us)",
             *(f"{p} CPU/request (ms)" for p in PROCESSES),
             "vLLM's processes CPU/request (ms)",
         ],
@@ -388,7 +409,8 @@ def _round(
     time.sleep(PAUSE_S)
     names = list(engines)
     runs: dict[str, dict[str, Any]] = {
-        name: {"wall_s": 0.0, "requests": 0, "tokens": 0, "cached": 0, "ttft_s": [], "cpu_s": {}} for name in names
+        name: {"wall_s": 0.0, "requests": 0, "tokens": 0, "cached": 0, "ttft_s": [], "cpu_s": {}, "busy": {}}
+        for name in names
     }
     counts = {name: engines[name].ask("counts") for name in names}
     for turn, start in enumerate(range(0, requests, per_turn)):
@@ -402,6 +424,8 @@ def _round(
                 run[key] += answer[key]
             for process, ticks in after.items():
                 run["cpu_s"][process] = run["cpu_s"].get(process, 0.0) + (ticks - before[process]) * tick
+            for key, value in answer["busy"].items():
+                run["busy"][key] = run["busy"].get(key, 0) + value
     for name in names:
         after = engines[name].ask("counts")
         runs[name].update({key: after[key] - counts[name][key] for key in after})
@@ -432,19 +456,37 @@ def _tabulate(
     def stats(run: dict[str, Any]) -> dict[str, float]:
         n = run["requests"]
         ttft = [t * 1000 for t in run["ttft_s"]]
-        cpu = run["cpu_s"]
+        cpu, busy = run["cpu_s"], run["busy"]
+        core, worker = busy["steps"] or math.nan, busy["worker_steps"] or math.nan
         return {
             "rps": n / run["wall_s"],
             "tps": run["tokens"] / run["wall_s"],
             "ttft50": percentile(ttft, 50) if ttft else float("nan"),
             "ttft99": percentile(ttft, 99) if ttft else float("nan"),
             "step": cpu["engine core"] * 1000 / run["steps"] if run["steps"] else float("nan"),
+            "busy_sched": busy["scheduler_ns"] / core / 1e3,
+            "busy_core_conn": busy["core_connector_ns"] / core / 1e3,
+            "busy_worker": busy["worker_ns"] / worker / 1e6,
+            "busy_worker_conn": busy["worker_connector_ns"] / worker / 1e3,
+            "steps_per_request": busy["steps"] / n,
             **{p: cpu[p] * 1000 / n for p in PROCESSES},
             "all": sum(cpu[p] for p in PROCESSES) * 1000 / n,
         }
 
     per_run = {name: [stats(r) for r in rs] for name, rs in runs.items()}
-    keys = ["rps", "tps", "ttft50", "ttft99", "step", *PROCESSES, "all"]
+    keys = [
+        "rps",
+        "tps",
+        "ttft50",
+        "ttft99",
+        "step",
+        "busy_sched",
+        "busy_core_conn",
+        "busy_worker",
+        "busy_worker_conn",
+        *PROCESSES,
+        "all",
+    ]
     for name in params.engines:
         table.rows.append([name, *(median([s[k] for s in per_run[name]]) for k in keys)])
     for label, (a, b) in {
@@ -455,6 +497,21 @@ def _tabulate(
             pairs = list(zip(per_run[a], per_run[b], strict=True))
             table.rows.append([label, *(median([(x[k] / y[k] - 1) * 100 for x, y in pairs]) for k in keys)])
     table.data["runs"] = runs
+    if "on" in per_run and "off" in per_run:
+        pairs = list(zip(per_run["on"], per_run["off"], strict=True))
+        added = {
+            k: median([x[k] - y[k] for x, y in pairs])
+            for k in ("busy_sched", "busy_core_conn", "busy_worker", "busy_worker_conn")
+        }
+        steps = median([x["steps_per_request"] for x in per_run["on"]])
+        step_ms = median([y["busy_worker"] for _, y in pairs])
+        table.notes.append(
+            "Busy CPU the plugin adds (median over rounds of 'on' less 'off'): the engine core's scheduler "
+            f"{added['busy_sched']:+.1f} us a step (its KV connector {added['busy_core_conn']:+.1f} us), the worker "
+            f"{added['busy_worker'] * 1000:+.1f} us a step ({added['busy_worker'] / step_ms * 100:+.2f} % of its "
+            f"{step_ms:.2f} ms; its KV connector {added['busy_worker_conn']:+.1f} us); {steps:.2f} steps per request."
+        )
+        table.data["added_busy"] = {**added, "steps_per_request": steps, "worker_step_ms": step_ms}
 
     if "on" in runs:
         timed = params.requests * len(runs["on"])
@@ -493,8 +550,11 @@ def _tabulate(
         "and CPU, + is worse; for throughput, - is worse). CPU = user + system of the process over the engine's own "
         "turns (/proc, 10 ms ticks); vLLM's processes spin on their shared-memory queues while they wait for each "
         "other (and for a second after), so their CPU follows the wall time. Engine-core CPU/step: its CPU over its "
-        "turns / the steps vLLM counted (vllm:iteration_tokens_total; n/a without vLLM's stats). TTFT: vLLM's "
-        "first_token_latency per request (n/a without vLLM's stats).",
+        "turns / the steps vLLM counted (vllm:iteration_tokens_total; n/a without vLLM's stats). Busy/step: the "
+        "thread CPU (no spin, no other process) of the engine core's Scheduler.schedule, update_from_output and "
+        "add_request, and of the worker's execute_model and sample_tokens (the forward included), per step; of it, "
+        "the calls into vLLM's OffloadingConnector on each side, where the plugin's hooks run (benchmarks/"
+        "_vllm_busy.py). TTFT: vLLM's first_token_latency per request (n/a without vLLM's stats).",
     ]
 
 

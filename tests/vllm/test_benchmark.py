@@ -1,5 +1,6 @@
 """``python -m benchmarks vllm --smoke``: real vLLM engines with the plugin on and off serve the benchmark's workload
-through the CPU tier, and the table holds sane numbers. No timing is judged (benchmarks hold numbers, not tests)."""
+through the CPU tier, their busy timers count inside vLLM's processes, and the table holds sane numbers. No timing is
+judged (benchmarks hold numbers, not tests)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.vllm_serving import OUTPUT_TOKENS, PER_GENERATE
 from tests.vllm.engine import needs_cpu_build
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), needs_cpu_build]
@@ -42,6 +44,14 @@ def test_the_vllm_benchmark_runs_both_engines_through_the_cpu_tier(tmp_path: Pat
     runs = table["data"]["runs"]
     assert {name: len(r) for name, r in runs.items()} == {"off": 1, "on": 1}
     assert all(run["cached"] > 0 for r in runs.values() for run in r)  # prefixes were reused
+    # the busy timers ran inside the engine core and the worker of both engines: every step timed once on each side
+    # (a step per generated token at least), each KV connector's calls inside its process's own whole
+    for run in (run for r in runs.values() for run in r):
+        busy = run["busy"]
+        assert busy["steps"] >= OUTPUT_TOKENS * run["requests"] / PER_GENERATE, busy
+        assert busy["worker_steps"] >= busy["steps"], busy
+        assert 0 < busy["core_connector_ns"] < busy["scheduler_ns"], busy
+        assert 0 < busy["worker_connector_ns"] < busy["worker_ns"], busy
     exporters = table["data"]["exporters"]
     assert len(exporters["lead_s"]) == 2  # the engine core's and the worker's
     assert exporters["start_ms"] > 0 and exporters["timed_ms"] >= 0
