@@ -166,8 +166,9 @@ class RequestHooks(EngineHooks):
         sink = self._sink(None)
         if sink is not None:
             sink.record_prefix_split(split, other_hit=other)
-        modes = {**split.by_mode(), sc.PrefillMode.OTHER: other}
-        state.attributes.update({f"{sc.ATTR_PREFIX_TOKENS}.{mode.value}": n for mode, n in modes.items()})
+        if state.identity is not None:  # for its request span (vLLM's tracing on): nothing else reads them
+            modes = {**split.by_mode(), sc.PrefillMode.OTHER: other}
+            state.attributes.update({f"{sc.ATTR_PREFIX_TOKENS}.{mode.value}": n for mode, n in modes.items()})
 
     def update_waiting_for_remote_kv(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
@@ -198,11 +199,13 @@ class RequestHooks(EngineHooks):
 
     def _waited(self, request: Any, state: _Request, wait_s: float) -> None:
         """The request waited ``wait_s`` for its KV: its ``hicache.request.kv_wait`` and request span attribute."""
-        state.attributes[f"{sc.ATTR_KV_WAIT}.{state.wait_tier.value}"] = wait_s
-        _publish(request)
+        span = None
+        if state.identity is not None:  # vLLM's tracing on: the request span's attribute
+            state.attributes[f"{sc.ATTR_KV_WAIT}.{state.wait_tier.value}"] = wait_s
+            _publish(request)
+            span = NonRecordingSpan(state.identity.context(remote=False))
         sink = self._sink(None)
         if sink is not None:
-            span = None if state.identity is None else NonRecordingSpan(state.identity.context(remote=False))
             sink.record_kv_wait(KvWait(state.wait_tier, wait_s, now_ns()), request_span=span)
 
     def build_connector_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
