@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 import time
 from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 
+from otel_hicache._internal.host.worker import HOST_THREAD_NAME
+from otel_hicache.integrations.vllm import hooks
 from otel_hicache.testing.sdk import Sdk
 from tests.vllm import support
 
@@ -82,6 +85,24 @@ def test_spans_carry_each_transfers_bytes_blocks_and_tokens(instrumented: Sdk) -
     )
     tokens = instrumented.counters()["hicache.transfer.tokens"]
     assert sum(v for k, v in tokens.items() if "backup" in k) == 9 * support.BLOCK_SIZE
+
+
+def test_a_finished_transfer_is_only_queued_by_the_workers_step_and_built_on_the_host_thread(
+    instrumented: Sdk, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built_on: list[str] = []
+    build = hooks._built
+
+    def noted(payload: Any) -> Any:
+        built_on.append(threading.current_thread().name)
+        return build(payload)
+
+    monkeypatch.setattr(hooks, "_built", noted)
+    engine = support.engine()
+    support.run_workload(engine)
+
+    assert len(instrumented.spans("hicache.backup") + instrumented.spans("hicache.load_back")) == 5
+    assert built_on == [HOST_THREAD_NAME] * 5  # none on the worker's thread, where vLLM's next forward waits
 
 
 def test_cpu_tier_occupancy_is_the_managers_chunks_in_tokens(instrumented: Sdk) -> None:

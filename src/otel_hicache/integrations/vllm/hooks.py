@@ -5,7 +5,8 @@ Worker side (one process per GPU worker): a transfer is noted when vLLM's ``Offl
 (job id, direction, GPU blocks, the request span it serves) and reported when its ``get_finished`` consumes the
 worker's ``TransferResult``: the wrapper sees each result exactly where vLLM counts it, as the
 ``DirectionalTransferStats.record(bytes, time)`` call (vLLM's own ``vllm:kv_offload_*`` bytes and time) followed by
-``OffloadingWorkerMetadata.mark_completed(job_id)``. Scheduler side (the engine-core process):
+``OffloadingWorkerMetadata.mark_completed(job_id)``; its record is built and counted on the telemetry's host thread
+(``record_transfer_deferred``), off the worker's step. Scheduler side (the engine-core process):
 ``OffloadingConnectorStats.increase_counter`` of the allocation-failure counter.
 
 Sync loads (vLLM >= 0.33, a load job with ``sync`` set): ``start_kv_transfers`` submits them and waits for them
@@ -123,12 +124,14 @@ class _Connector:
         self.theirs = {op: [0.0, 0.0, 0.0] for op in _DIRECTIONS}
         self.compared: tuple[_Totals, _Totals] | None = None  # (ours, theirs) at the last hand-over
 
-    def tally(self, record: TransferRecord) -> None:
-        totals = self.ours.get(record.operation)
-        if totals is not None and record.copy_duration_s is not None:
-            totals[0] += record.num_bytes if type(record.num_bytes) is int else 0
+    def tally(self, operation: TransferOperation, measured: tuple[Any, Any] | None) -> None:
+        """Add a reported transfer to ours: what vLLM counted for it (bytes, seconds), as vLLM got them."""
+        totals = self.ours.get(operation)
+        if totals is not None and measured is not None and measured[1] is not None:
+            num_bytes, seconds = measured
+            totals[0] += num_bytes if type(num_bytes) is int else 0
             totals[1] += 1
-            totals[2] += record.copy_duration_s if isinstance(record.copy_duration_s, float) else 0.0
+            totals[2] += seconds if isinstance(seconds, float) else 0.0
 
     def handed_over(self, transfer_stats: Any) -> None:
         """vLLM handed its counts since the last hand-over to the scheduler: set ours beside them."""
@@ -334,9 +337,9 @@ class OffloadHooks(EngineHooks):
             entry = state.pending.pop(_job_id(*event.args, **event.kwargs), None)
             if entry is not None:
                 sizes = None if measured is None else _stats_arguments(*measured.args, **measured.kwargs)
-                record = _record(entry, sizes, done_ns, state.worker_timing)
-                sink.record_transfer(record)
-                state.tally(record)
+                # built and counted on the telemetry's host thread: off the step, whose next forward waits for it
+                sink.record_transfer_deferred(_built, (entry, sizes, done_ns, state.worker_timing))
+                state.tally(entry.operation, sizes)
             measured = None
 
     def build_connector_worker_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -376,6 +379,11 @@ class OffloadHooks(EngineHooks):
             for _ in range(int(count)):
                 sink.record_failure(failure)
         return result
+
+
+def _built(payload: tuple[_Pending, tuple[Any, Any] | None, int, TimingSource]) -> TransferRecord:
+    """A deferred transfer's record, on the host thread (``record_transfer_deferred``'s build)."""
+    return _record(*payload)
 
 
 def _record(entry: _Pending, measured: tuple[Any, Any] | None, done_ns: int, timing: TimingSource) -> TransferRecord:
