@@ -102,21 +102,25 @@ def register() -> None:
     values = BusyCounters(path).values
     depth = threading.local()
 
-    def timer(function: Callable[..., Any], spent: str, calls: str | None) -> Callable[..., Any]:
-        return _timed(function, values, depth, _SLOT[spent], None if calls is None else _SLOT[calls])
+    def time_calls(owner: Any, method: str, spent: str, calls: str | None = None) -> None:
+        """Time ``owner.method`` (a method this vLLM lacks is left out)."""
+        function = getattr(owner, method, None)
+        if function is not None:
+            count = None if calls is None else _SLOT[calls]
+            setattr(owner, method, _timed(function, values, depth, _SLOT[spent], count))
 
     for method in _CORE_CONNECTOR:
-        setattr(OffloadingConnector, method, timer(getattr(OffloadingConnector, method), "core_connector_ns", None))
+        time_calls(OffloadingConnector, method, "core_connector_ns")
     for method in _WORKER_CONNECTOR:
-        setattr(OffloadingConnector, method, timer(getattr(OffloadingConnector, method), "worker_connector_ns", None))
+        time_calls(OffloadingConnector, method, "worker_connector_ns")
     for method, calls in _WORKER:
-        setattr(Worker, method, timer(getattr(Worker, method), "worker_ns", calls))
+        time_calls(Worker, method, "worker_ns", calls)
     init = Scheduler.__init__
 
     def timed_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         for method, calls in _SCHEDULER:  # its methods as bound now: the plugin's wrappers of its class inside
-            setattr(self, method, timer(getattr(self, method), "scheduler_ns", calls))
+            time_calls(self, method, "scheduler_ns", calls)
 
     Scheduler.__init__ = timed_init
 
