@@ -19,7 +19,9 @@ and the engine's processes load it beside ours when ``VLLM_PLUGINS`` names both.
 plugin under test does not wrap (the scheduler's own methods are wrapped on each scheduler object once it is built),
 so it holds the plugin's wrappers, whichever plugin vLLM loads first. The counters are a file of int64s
 (:data:`COUNTERS`, named by :data:`COUNTERS_ENV`) that each process maps shared; the engine's main process reads it.
-A call made inside a timed call of the same counter is counted once, in the outer one.
+A call made inside a timed call of the same counter is counted once, in the outer one. With our plugin loaded, the
+file also says where the telemetry's host thread of the engine core and of the worker runs, so that the reader times
+the work our plugin does off vLLM's steps too.
 """
 
 from __future__ import annotations
@@ -32,12 +34,16 @@ from pathlib import Path
 from time import thread_time_ns
 from typing import Any
 
+from benchmarks._common import host_thread_id, thread_cpu_ns
+
 #: The vLLM plugin's name (for ``VLLM_PLUGINS``), and the environment variable naming the counters' file.
 PLUGIN = "hicache_bench_busy"
 COUNTERS_ENV = "HICACHE_BENCH_BUSY_FILE"
-#: The counters, in this order in the file: nanoseconds of thread CPU, or calls.
+#: The counters, in this order in the file: nanoseconds of thread CPU, or calls; then where the telemetry's host thread
+#: of the engine core and of the worker runs (process id, native thread id; 0 until seen), for the reader to time it.
 COUNTERS = ("scheduler_ns", "steps", "core_connector_ns", "worker_ns", "worker_steps", "worker_connector_ns")
-_SLOT = {name: i for i, name in enumerate(COUNTERS)}
+HOST_THREADS = ("core_host_pid", "core_host_tid", "worker_host_pid", "worker_host_tid")
+_SLOT = {name: i for i, name in enumerate(COUNTERS + HOST_THREADS)}
 _SCHEDULER = (("schedule", None), ("update_from_output", "steps"), ("add_request", None))
 _CORE_CONNECTOR = (
     "get_num_new_matched_tokens",
@@ -77,16 +83,21 @@ class BusyCounters:
 
     def __init__(self, path: str) -> None:
         with open(path, "r+b") as f:
-            self._memory = mmap.mmap(f.fileno(), 8 * len(COUNTERS))
+            self._memory = mmap.mmap(f.fileno(), 8 * len(_SLOT))
         self.values = memoryview(self._memory).cast("q")
 
     @staticmethod
     def create(path: Path) -> Path:
-        path.write_bytes(bytes(8 * len(COUNTERS)))
+        path.write_bytes(bytes(8 * len(_SLOT)))
         return path
 
     def read(self) -> dict[str, int]:
-        return {name: self.values[i] for name, i in _SLOT.items()}
+        """The counters, and the CPU so far of each host thread seen (``core_host_ns``, ``worker_host_ns``)."""
+        values = {name: self.values[_SLOT[name]] for name in COUNTERS}
+        for side in ("core", "worker"):
+            pid, tid = self.values[_SLOT[f"{side}_host_pid"]], self.values[_SLOT[f"{side}_host_tid"]]
+            values[f"{side}_host_ns"] = thread_cpu_ns(pid, tid) if tid else 0
+        return values
 
 
 def register() -> None:
@@ -115,14 +126,37 @@ def register() -> None:
         time_calls(OffloadingConnector, method, "worker_connector_ns")
     for method, calls in _WORKER:
         time_calls(Worker, method, "worker_ns", calls)
+    ours = "vllm_kv_offload" in os.environ.get("VLLM_PLUGINS", "").split(",")  # a telemetry, so a host thread
+    if ours:
+        _note_host_thread(Worker, "execute_model", values, "worker")
     init = Scheduler.__init__
 
     def timed_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         for method, calls in _SCHEDULER:  # its methods as bound now: the plugin's wrappers of its class inside
             time_calls(self, method, "scheduler_ns", calls)
+        if ours:
+            _note_host_thread(self, "update_from_output", values, "core")
 
     Scheduler.__init__ = timed_init
+
+
+def _note_host_thread(owner: Any, method: str, values: memoryview, side: str) -> None:
+    """Once ``owner.method`` has run with the telemetry's host thread up (the plugin starts it while the engine
+    starts), write where that thread runs into the counters, and call ``method`` as it was from then on."""
+    function = getattr(owner, method, None)
+    if function is None:
+        return
+
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        result = function(*args, **kwargs)
+        tid = host_thread_id()
+        if tid is not None and not values[_SLOT[f"{side}_host_tid"]]:
+            values[_SLOT[f"{side}_host_pid"]], values[_SLOT[f"{side}_host_tid"]] = os.getpid(), tid
+            setattr(owner, method, function)
+        return result
+
+    setattr(owner, method, noting)
 
 
 def _timed(

@@ -512,6 +512,15 @@ def _tabulate(
             f"{step_ms:.2f} ms; its KV connector {added['busy_worker_conn']:+.1f} us); {steps:.2f} steps per request."
         )
         table.data["added_busy"] = {**added, "steps_per_request": steps, "worker_step_ms": step_ms}
+        host = {
+            side: median([run["busy"][f"{side}_host_ns"] / run["requests"] / 1e3 for run in runs["on"]])
+            for side in ("core", "worker")
+        }
+        table.notes.append(
+            f"Our host threads in vLLM's processes ('on', off the steps; median over rounds): the engine core's "
+            f"{host['core']:.1f} us and the worker's {host['worker']:.1f} us of CPU per request."
+        )
+        table.data["host_threads_us_per_request"] = host
 
     if "on" in runs:
         timed = params.requests * len(runs["on"])

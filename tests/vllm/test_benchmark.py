@@ -52,6 +52,11 @@ def test_the_vllm_benchmark_runs_both_engines_through_the_cpu_tier(tmp_path: Pat
         assert busy["worker_steps"] >= busy["steps"], busy
         assert 0 < busy["core_connector_ns"] < busy["scheduler_ns"], busy
         assert 0 < busy["worker_connector_ns"] < busy["worker_ns"], busy
+    # our host threads in the engine core and the worker of 'on' were found and timed (a worker's finished transfers
+    # are built there); 'off' has none
+    (on,), (off,) = runs["on"], runs["off"]
+    assert on["busy"]["core_host_ns"] > 0 and on["busy"]["worker_host_ns"] > 0, on["busy"]
+    assert off["busy"]["core_host_ns"] == off["busy"]["worker_host_ns"] == 0, off["busy"]
     exporters = table["data"]["exporters"]
     assert len(exporters["lead_s"]) == 2  # the engine core's and the worker's
     assert exporters["start_ms"] > 0 and exporters["timed_ms"] >= 0
