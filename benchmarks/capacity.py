@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks._common import Table, host_thread_id, median, thread_cpu_ns
-from otel_hicache._internal.host.worker import CAPACITY_TICK_S, DEFERRED_TICK_S
+from otel_hicache._internal.host.worker import DEFERRED_TICK_S, PATIENT_TICK_S
 from otel_hicache.capacity import TierCapacity, page_keys
 from otel_hicache.records import TransferRecord
 from otel_hicache.semconv import Tier, TimingSource, TransferOperation
@@ -207,7 +207,7 @@ def run(params: Params, command: str) -> Table:
         f"'estimator its only deferred work': configure() over OTLP gRPC to a receiver in this process, "
         f"{params.wake_seconds:g} s per phase, {ADMISSIONS_PER_S} admissions a second of 64 prompts (block hashes "
         "given); wakes = the host thread's voluntary context switches (each takes the host's GIL), CPU = its "
-        f"schedstat time. The thread looks for lookups every {CAPACITY_TICK_S:g} s here (CAPACITY_TICK_S), every "
+        f"schedstat time. The thread looks for lookups every {PATIENT_TICK_S:g} s here (PATIENT_TICK_S), every "
         f"{DEFERRED_TICK_S * 1e3:g} ms once deferred records come, and pauses 1 ms after each 50 us slice."
     )
     return table

@@ -47,7 +47,8 @@ API, each name importable from ``otel_hicache`` (``help(otel_hicache.<name>)`` s
         .record_prefix_splits(rows)              many at once: (input, device, host, storage, other hit) rows
         .add_pool_usage_source(source)           a callable returning PoolUsage values, read about once a second
         .record_transfer_at(site, ...), .record_transfer_deferred(build, payload),
-        .deferred_queue(build, *, batched=False) the tightest hot paths (docs/api.md)
+        .deferred_queue(build, *, batched=False, patient=False)
+                                                 the tightest hot paths (docs/api.md)
         .capacity_feed(page_tokens, tiers, keys=None)
                                                  each admitted request's prefix lookup, for each tier's hit ratio at
                                                  other sizes (otel_hicache.capacity: TierCapacity, page_keys)

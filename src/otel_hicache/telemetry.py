@@ -238,7 +238,7 @@ class HiCacheTelemetry:
             self._host.want_fast()
 
     def deferred_queue(
-        self, build: Build, *, batched: bool = False, kind: RecordKind = RecordKind.TRANSFER
+        self, build: Build, *, batched: bool = False, kind: RecordKind = RecordKind.TRANSFER, patient: bool = False
     ) -> DeferredQueue:
         """A queue of this producer's own for the tightest hot paths (SGLang's ack queues): the producer appends
         ``(next(queue.seq), ...)`` with ``queue.put``, two C calls and no Python frame; the host thread builds each
@@ -246,9 +246,11 @@ class HiCacheTelemetry:
         ``build(entries)`` gets the entries waiting, oldest first, a batch at a time, and reports what it makes itself
         (entries that only add to counters, summed there: :meth:`record_prefix_splits`); it reports them all or raises
         before it reports any. At most ``max_queue`` unbuilt entries; shed ones are counted as records of ``kind``
-        (a batch whose build raises: each of its entries). ``queue.close()`` when the producer is done. Never
-        raises."""
-        return self._host.new_queue(build, kind, batched)
+        (a batch whose build raises: each of its entries). ``patient``: its entries make no span and only add to
+        counts, which every read of the counters waits for: the host thread may take them four times a second
+        instead of twenty (a producer that is its process's only deferred work then wakes it less). ``queue.close()``
+        when the producer is done. Never raises."""
+        return self._host.new_queue(build, kind, batched, patient)
 
     def capacity_feed(
         self,
@@ -266,7 +268,7 @@ class HiCacheTelemetry:
             page_tokens,
             tiers,
             keys,
-            lambda build: self._host.new_queue(build, RecordKind.CAPACITY),
+            lambda build: self._host.new_queue(build, RecordKind.CAPACITY, patient=True),
             max_keys=max_keys,
         )
         previous, self._host.capacity = self._host.capacity, feed

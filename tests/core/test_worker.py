@@ -20,9 +20,9 @@ from otel_hicache._internal.host import worker as worker_module
 from otel_hicache._internal.host.consumers import InProcessConsumer
 from otel_hicache._internal.host.counting import Tally
 from otel_hicache._internal.host.worker import (
-    CAPACITY_TICK_S,
     DEFERRED_TICK_S,
     HOST_THREAD_NAME,
+    PATIENT_TICK_S,
     TEND_INTERVAL_S,
     HostWorker,
     weakly,
@@ -30,7 +30,7 @@ from otel_hicache._internal.host.worker import (
 from otel_hicache._internal.shared.accumulation import Layout
 from otel_hicache._internal.shared.channel import HEADER_INTS
 from otel_hicache.records import PoolUsage, TransferRecord
-from otel_hicache.semconv import Tier, TransferOperation
+from otel_hicache.semconv import RecordKind, Tier, TransferOperation
 
 KNOWN = {pool: pool for pool in sc.POOLS}
 
@@ -241,10 +241,10 @@ def test_a_pool_source_alone_leaves_an_exporting_hosts_thread_on_its_slow_tick()
             setup.shutdown()
 
 
-def test_capacity_lookups_alone_wake_an_exporting_hosts_thread_four_times_a_second() -> None:
-    """vLLM's engine core feeds only the capacity estimator: an estimate published once a second, whose lookups need
-    no 50 ms tick (20 wakes a second of a thread that takes the engine's GIL); they are still all built, and deferred
-    records still get the fast tick."""
+def test_patient_queues_alone_wake_an_exporting_hosts_thread_four_times_a_second() -> None:
+    """vLLM's engine core feeds the capacity estimator (an estimate published once a second) and queues counts that
+    every read waits for: neither needs a 50 ms tick (20 wakes a second of a thread that takes the engine's GIL); they
+    are still all built, and deferred records still get the fast tick."""
     from otel_hicache.capacity import TierCapacity
     from otel_hicache.sdk import configure
     from otel_hicache.testing.otlp_receiver import OtlpReceiver
@@ -257,8 +257,16 @@ def test_capacity_lookups_alone_wake_an_exporting_hosts_thread_four_times_a_seco
             feed = telemetry.capacity_feed(16, [TierCapacity(Tier.DEVICE, 1024)])
             for i in range(3):
                 feed.put((next(feed.seq), [i, i + 1], 32))
-            assert host.started and not host.fast_ready and host.tick_s() == CAPACITY_TICK_S
+            splits = telemetry.deferred_queue(
+                lambda entries: telemetry.record_prefix_splits(row for _, row in entries),
+                batched=True,
+                kind=RecordKind.PREFIX_SPLIT,
+                patient=True,
+            )
+            splits.put((next(splits.seq), (32, 0, 16, 0, 0)))
+            assert host.started and not host.fast_ready and host.tick_s() == PATIENT_TICK_S
             assert host.settle() and host.waiting() == 0
+            assert telemetry.snapshot()["hicache.prefill.tokens"][("host_hit",)] == 16
             read_end, write_end = os.pipe()
             pid = os.fork()
             if pid == 0:  # a forked child (its own thread and exporter): its deferred records get the fast tick too
@@ -271,7 +279,7 @@ def test_capacity_lookups_alone_wake_an_exporting_hosts_thread_four_times_a_seco
             os.close(write_end)
             in_child = os.read(read_end, 100).decode()
             os.waitpid(pid, 0)
-            assert in_child == repr([CAPACITY_TICK_S, DEFERRED_TICK_S])
+            assert in_child == repr([PATIENT_TICK_S, DEFERRED_TICK_S])
             telemetry.record_transfer_deferred(lambda _: backup(1), None)
             assert host.fast_ready and host.tick_s() == DEFERRED_TICK_S
         finally:

@@ -11,7 +11,8 @@ engine check; over OTLP by the constructor). Each round (:meth:`HostWorker.work`
 * in-process, turns the ring's records into spans and points in slices, at least every flush interval.
 
 It ticks every :data:`DEFERRED_TICK_S` while it has deferred records to build, and always in-process, where it
-drains the ring; every :data:`CAPACITY_TICK_S` for capacity lookups alone (vLLM's engine core); else every
+drains the ring; every :data:`PATIENT_TICK_S` for patient queues alone (capacity lookups, and counts read only at
+collection: vLLM's engine core); else every
 :data:`TEND_INTERVAL_S` (pool sources alone need no faster tick). It pauses
 :data:`PAUSE_S` after a busy round, so the scheduler thread gets the GIL back. Reads of the counters wait (bounded)
 for what is queued to be built (:meth:`HostWorker.settle`); while a flush or a shutdown waits, the thread builds
@@ -64,10 +65,11 @@ BATCH_ENTRIES = 16
 #: of the GIL, caches both threads find cold), so fewer wakes with more records each cost it less; what a SIGKILL
 #: loses is about one tick of consumed acks, and those of the tick before still being built (``benchmarks sigkill``).
 DEFERRED_TICK_S = 0.05
-#: How often it looks for capacity lookups when no deferred record needs the faster tick. They only feed an estimate
-#: that is published once a second (POOL_INTERVAL_S), and a SIGKILL that loses some loses no count; four wakes a
-#: second instead of twenty keep the queue short (a quarter second of admissions) and leave the engine's threads alone.
-CAPACITY_TICK_S = 0.25
+#: How often it looks at patient queues when no deferred record needs the faster tick: capacity lookups, which only
+#: feed an estimate published once a second (POOL_INTERVAL_S), and records that only add to counts read at collection
+#: (which waits for them to be built). Four wakes a second instead of twenty keep a queue short (a quarter second of
+#: admissions) and leave the engine's threads alone; a SIGKILL loses about one tick of those counts.
+PATIENT_TICK_S = 0.25
 #: The host thread's name (what a profiler or py-spy shows).
 HOST_THREAD_NAME = "otel-hicache-host"
 #: How often the host thread reads the pool-usage sources.
@@ -128,8 +130,8 @@ class HostWorker:
         self._drained = threading.Event()  # set by a hurried round that left no deferred record unbuilt
         self.started = False  # consumer tended and host thread running
         self._next_start_attempt = 0.0
-        # how often the host thread wakes: DEFERRED_TICK_S in-process or once deferred records come, CAPACITY_TICK_S
-        # for capacity lookups alone, else TEND_INTERVAL_S
+        # how often the host thread wakes: DEFERRED_TICK_S in-process or once deferred records come, PATIENT_TICK_S
+        # for patient queues alone, else TEND_INTERVAL_S
         self._tick_s = DEFERRED_TICK_S if not shared else TEND_INTERVAL_S
         self.fast_ready = False  # ... it ticks every DEFERRED_TICK_S, and it runs
         self.consumer: Consumer
@@ -151,11 +153,13 @@ class HostWorker:
             self.start()
 
     # ------------------------------------------------------------------ what producers hand over
-    def new_queue(self, build: Build, kind: RecordKind = RecordKind.TRANSFER, batched: bool = False) -> DeferredQueue:
+    def new_queue(
+        self, build: Build, kind: RecordKind = RecordKind.TRANSFER, batched: bool = False, patient: bool = False
+    ) -> DeferredQueue:
         queue = DeferredQueue(build, self._max_queue, kind, batched)
         self.queues.append(queue)
-        if kind is RecordKind.CAPACITY:
-            self._want_tick(CAPACITY_TICK_S)
+        if patient:
+            self._want_tick(PATIENT_TICK_S)
         else:
             self.want_fast()
         return queue
