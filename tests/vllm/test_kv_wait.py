@@ -9,13 +9,16 @@ A request's KV reaches the CPU tier when it is computed; the engine's own prefix
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import pytest
 
+from otel_hicache._internal.host.worker import HOST_THREAD_NAME
 from otel_hicache.integrations.vllm.per_request import _STATE
 from otel_hicache.integrations.vllm.semconv import SYNC_WAITS
+from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.testing.sdk import Sdk
 from tests.vllm import stepping, support
 
@@ -109,6 +112,40 @@ def test_a_load_over_the_sync_budget_is_async_and_waits_as_before(instrumented: 
     (wait,) = instrumented.points(KV_WAIT).values()
     assert wait.count == 1
     no_state_left(b)
+
+
+def test_the_engine_cores_step_only_queues_its_counts_and_the_host_thread_makes_them(
+    instrumented: Sdk, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's split and KV wait, and the CPU tier's eviction passes: each step of vLLM's scheduler waits for
+    what runs on its thread, so it only queues them; the telemetry's host thread counts them."""
+    counted_on: dict[str, set[str]] = {}
+
+    def noting(name: str) -> Any:
+        method = getattr(HiCacheTelemetry, name)
+
+        def noted(self: HiCacheTelemetry, *args: Any, **kwargs: Any) -> Any:
+            counted_on.setdefault(name, set()).add(threading.current_thread().name)
+            return method(self, *args, **kwargs)
+
+        return noted
+
+    counts = ("record_prefix_splits", "record_kv_wait", "record_eviction")
+    for name in counts:
+        monkeypatch.setattr(HiCacheTelemetry, name, noting(name))
+    engine = stepping.stepper(cpu_chunks=6)
+    for seed in (1, 2, 3):  # 12 blocks into a 6-chunk tier: evictions
+        engine.add(f"r{seed}", stepping.prompt(seed, PROMPT_BLOCKS))
+        engine.run()
+    assert engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    engine.add("again", [*stepping.prompt(3, PROMPT_BLOCKS), 7])  # loaded back from the tier: a KV wait
+    engine.run()
+
+    counters = instrumented.counters()  # a read of the counts waits for what is queued
+    assert sum(n for (tier, _), n in counters["hicache.eviction.tokens"].items() if tier == "host") > 0
+    assert counters["hicache.prefill.tokens"][("host_hit",)] == PROMPT_BLOCKS * support.BLOCK_SIZE
+    assert sum(point.count for point in instrumented.points(KV_WAIT).values()) == 1
+    assert counted_on == {name: {HOST_THREAD_NAME} for name in counts}  # none on the thread each step waits for
 
 
 def test_a_request_that_loads_nothing_waits_for_nothing(instrumented: Sdk) -> None:

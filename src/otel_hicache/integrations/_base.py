@@ -221,6 +221,8 @@ class EngineInstrumentor(BaseInstrumentor):
         )
         key = (given, from_environment, *providers)
         if self._sink is None or self._sink_key != key:
+            if self._sink is not None:
+                self._sink.release()
             self._sink = ProcessSink(
                 self._engine_id,
                 telemetry=given,

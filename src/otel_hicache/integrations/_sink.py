@@ -8,6 +8,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any, Final, NamedTuple
 
 from opentelemetry import metrics, trace
@@ -16,7 +17,7 @@ from otel_hicache import semconv as sc
 from otel_hicache.capacity import CapacityFeed
 from otel_hicache.integrations._once import warn_once
 from otel_hicache.records import PoolUsage
-from otel_hicache.telemetry import HiCacheTelemetry
+from otel_hicache.telemetry import DeferredQueue, HiCacheTelemetry
 
 #: Entries an adapter remembers per engine object (submitted transfers, links) until the engine completes them;
 #: beyond this the oldest are forgotten (:func:`trim`), so what the engine never completes cannot grow memory.
@@ -94,6 +95,7 @@ class ProcessSink:
         self._install_globals = install_globals
         self._done = telemetry is not None
         self._lock = threading.Lock()
+        self._patient: dict[sc.RecordKind, DeferredQueue] = {}
 
     def get(self, ranks: Callable[[], Ranks] | None = None) -> HiCacheTelemetry | None:
         """The process's telemetry, built now (with ``ranks()``) if this is its first event."""
@@ -113,6 +115,35 @@ class ProcessSink:
                     )
                 self._done = True
         return self.telemetry
+
+    def patient(
+        self, kind: sc.RecordKind, build: Callable[[HiCacheTelemetry, list[tuple[Any, ...]]], None]
+    ) -> DeferredQueue | None:
+        """The process's patient queue of ``kind`` records (made at the first call, once the telemetry is built; None
+        while the process reports nothing): the producer puts ``(next(queue.seq), ...)`` with ``queue.put``, and the
+        telemetry's host thread hands the entries waiting, a batch at a time, to ``build(telemetry, entries)``, at
+        most four times a second (``deferred_queue(..., patient=True)``). For records that only add to counts, off a
+        thread each step waits for."""
+        queue = self._patient.get(kind)
+        if queue is None:
+            telemetry = self.telemetry
+            if telemetry is None:
+                return None
+            with self._lock:
+                queue = self._patient.get(kind)
+                if queue is None:
+                    queue = self._patient[kind] = telemetry.deferred_queue(
+                        partial(build, telemetry), batched=True, kind=kind, patient=True
+                    )
+        return queue
+
+    def release(self) -> None:
+        """The sink is replaced (an instrumentor given other arguments): its patient queues are closed, dropped by
+        their telemetry once drained."""
+        with self._lock:
+            queues, self._patient = list(self._patient.values()), {}
+        for queue in queues:
+            queue.close()
 
     def _build(self, ranks: Ranks) -> HiCacheTelemetry:
         if not self._from_environment:

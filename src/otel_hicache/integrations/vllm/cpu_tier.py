@@ -15,8 +15,9 @@ The tier's capacity (``hicache.pool.limit``) is what vLLM itself states where it
 ``config_info()``, its ``vllm:kv_offload_config_info`` series: chunks x blocks per chunk), else the manager's chunks;
 a self-check compares the two (``otel_hicache.engine.mismatch{hicache.pool.limit}``). vLLM >= 0.33 guards its manager
 with a ``lock`` its scheduler holds for a whole step: nothing here takes it. The wrappers of the manager's methods run
-under it (vLLM calls them there) and only note a few numbers; the occupancy is read at collection, on our own thread,
-from two integers and a list length, without the lock.
+under it (vLLM calls them there) and only note a few numbers (an eviction pass is counted on the telemetry's host
+thread, from a patient queue); the occupancy is read at collection, on our own thread, from two integers and a list
+length, without the lock.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from typing import Any
 
 from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, WeakPoolSource
 from otel_hicache.records import EvictedEntry, EvictionRecord, PoolUsage
-from otel_hicache.semconv import DEFAULT_POOL, METRIC_POOL_LIMIT, Tier, TransferOperation
-from otel_hicache.telemetry import HiCacheTelemetry
+from otel_hicache.semconv import DEFAULT_POOL, METRIC_POOL_LIMIT, RecordKind, Tier, TransferOperation
+from otel_hicache.telemetry import DeferredQueue, HiCacheTelemetry
 from otel_hicache.timing import now_ns
 
 #: How long a process waits at the engine's start for its export process to be up (its imports and exporters).
@@ -41,12 +42,13 @@ _WRITTEN, _READ = 1, 2  # a chunk's state: written by a store and not read since
 
 
 class _CpuTier:
-    """One CPU tier's sink, its chunk size in tokens and bytes, and per chunk id its last use and state."""
+    """One CPU tier's queue of eviction passes, its chunk size in tokens and bytes, and per chunk id its last use and
+    state."""
 
-    __slots__ = ("__weakref__", "chunk_bytes", "evicting", "last_use_ns", "sink", "state", "tokens_per_chunk")
+    __slots__ = ("__weakref__", "chunk_bytes", "evicting", "evictions", "last_use_ns", "state", "tokens_per_chunk")
 
-    def __init__(self, sink: HiCacheTelemetry, chunks: int, tokens_per_chunk: int, chunk_bytes: int) -> None:
-        self.sink = sink
+    def __init__(self, evictions: DeferredQueue, chunks: int, tokens_per_chunk: int, chunk_bytes: int) -> None:
+        self.evictions = evictions  # counted on the host thread (_count_evictions)
         self.tokens_per_chunk = tokens_per_chunk
         self.chunk_bytes = chunk_bytes
         self.last_use_ns = array("q", bytes(8 * chunks))
@@ -87,7 +89,8 @@ class CpuTierHooks(EngineHooks):
         with self._lock:
             new = manager not in self._tiers
         sink = self._sink(instance) if new else None
-        if sink is not None:
+        evictions = self.sink.patient(RecordKind.EVICTION, _count_evictions) if sink is not None else None
+        if sink is not None and evictions is not None:
             config = instance.config
             tokens_per_chunk = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
             copies = 1 if instance.replicated_layout else config.parallel.world_size
@@ -97,7 +100,7 @@ class CpuTierHooks(EngineHooks):
                 else 0
             )
             with self._lock:
-                self._tiers[manager] = _CpuTier(sink, manager._num_chunks, tokens_per_chunk, chunk_bytes)
+                self._tiers[manager] = _CpuTier(evictions, manager._num_chunks, tokens_per_chunk, chunk_bytes)
             stated = _stated_capacity(manager, config.groups[0].tokens_per_block)
             capacity = manager._num_chunks * tokens_per_chunk if stated is None else stated
             usage = partial(_cpu_tier_usage, tokens_per_chunk, capacity)
@@ -122,8 +125,8 @@ class CpuTierHooks(EngineHooks):
         evicted = len(result.evicted_keys) if result is not None else 0
         if evicted:
             duration = time.perf_counter() - start
-            tokens = evicted * tier.tokens_per_chunk
-            tier.sink.record_eviction(EvictionRecord(Tier.HOST, tokens, duration, now_ns(), entries[:evicted]))
+            queue = tier.evictions
+            queue.put((next(queue.seq), evicted * tier.tokens_per_chunk, duration, now_ns(), entries[:evicted]))
         if result is not None:
             tier.used(result.store_spec.block_ids, _WRITTEN, time.monotonic_ns())
         return result
@@ -144,6 +147,14 @@ class CpuTierHooks(EngineHooks):
         if tier is not None:
             tier.used(result.block_ids, _READ, time.monotonic_ns())
         return result
+
+
+def _count_evictions(
+    telemetry: HiCacheTelemetry, entries: list[tuple[int, int, float, int, list[EvictedEntry]]]
+) -> None:
+    """Host thread: the CPU tier's eviction passes since its last round (:meth:`CpuTierHooks.prepare_store`)."""
+    for _, tokens, duration, when_ns, evicted in entries:
+        telemetry.record_eviction(EvictionRecord(Tier.HOST, tokens, duration, when_ns, evicted))
 
 
 def await_export_process(sink: ProcessSink) -> None:

@@ -31,6 +31,10 @@ carries from the frontend to the engine core and back. That carrier is how the a
   identity (an id generator on the tracer provider that hands out the chosen ids for that one span, and passes every
   other call to the provider's own) and the attributes ``hicache.prefix.tokens.<mode>`` and ``hicache.kv_wait.<tier>``.
 
+The split and the wait are counted on the telemetry's host thread: each step of the scheduler waits for what runs on
+its thread, so it only puts one tuple of numbers on a patient queue (:meth:`~.._sink.ProcessSink.patient`), taken
+four times a second.
+
 No request, token or block id reaches a metric; the request span's ids are span identity, as vLLM's own.
 """
 
@@ -45,12 +49,13 @@ from typing import Any, NamedTuple
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
 from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, warn_once
 from otel_hicache.integrations.vllm.semconv import LINKS, SYNC_WAITS
-from otel_hicache.records import KvWait, PrefixSplit
+from otel_hicache.records import KvWait
+from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.timing import now_ns
 
 #: The ``trace_headers`` key that carries the request span's identity and our attributes back to the frontend.
@@ -149,26 +154,23 @@ class RequestHooks(EngineHooks):
         return result
 
     def _count_split(self, state: _Request, stats: Any, sources: Mapping[Any, int]) -> None:
-        hits = {sc.PrefillMode.HOST_HIT: 0, sc.PrefillMode.STORAGE_HIT: 0}
-        other = 0
+        host = storage = other = 0
         for source, tokens in sources.items():
             mode = _SOURCES.get(str(getattr(source, "value", source)))
-            if mode is None:
-                other += int(tokens)
+            if mode is sc.PrefillMode.HOST_HIT:
+                host += int(tokens)
+            elif mode is sc.PrefillMode.STORAGE_HIT:
+                storage += int(tokens)
             else:
-                hits[mode] += int(tokens)
-        split = PrefixSplit(
-            input_tokens=int(stats.num_computed_tokens),
-            device_hit=int(stats.num_local_cached_tokens),
-            host_hit=hits[sc.PrefillMode.HOST_HIT],
-            storage_hit=hits[sc.PrefillMode.STORAGE_HIT],
-        )
-        sink = self._sink(None)
-        if sink is not None:
-            sink.record_prefix_split(split, other_hit=other)
+                other += int(tokens)
+        row = (int(stats.num_computed_tokens), int(stats.num_local_cached_tokens), host, storage, other)
+        if self._sink(None) is not None:
+            queue = self.sink.patient(sc.RecordKind.PREFIX_SPLIT, _count_splits)
+            if queue is not None:
+                queue.put((next(queue.seq), row))
         if state.identity is not None:  # for its request span (vLLM's tracing on): nothing else reads them
-            modes = {**split.by_mode(), sc.PrefillMode.OTHER: other}
-            state.attributes.update({f"{sc.ATTR_PREFIX_TOKENS}.{mode.value}": n for mode, n in modes.items()})
+            modes = zip(sc.PrefillMode, row, strict=True)  # the row's order
+            state.attributes.update({f"{sc.ATTR_PREFIX_TOKENS}.{mode.value}": n for mode, n in modes})
 
     def update_waiting_for_remote_kv(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
@@ -199,14 +201,13 @@ class RequestHooks(EngineHooks):
 
     def _waited(self, request: Any, state: _Request, wait_s: float) -> None:
         """The request waited ``wait_s`` for its KV: its ``hicache.request.kv_wait`` and request span attribute."""
-        span = None
         if state.identity is not None:  # vLLM's tracing on: the request span's attribute
             state.attributes[f"{sc.ATTR_KV_WAIT}.{state.wait_tier.value}"] = wait_s
             _publish(request)
-            span = NonRecordingSpan(state.identity.context(remote=False))
-        sink = self._sink(None)
-        if sink is not None:
-            sink.record_kv_wait(KvWait(state.wait_tier, wait_s, now_ns()), request_span=span)
+        if self._sink(None) is not None:
+            queue = self.sink.patient(sc.RecordKind.KV_WAIT, _count_waits)
+            if queue is not None:
+                queue.put((next(queue.seq), state.wait_tier, wait_s, now_ns()))
 
     def build_connector_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingConnectorScheduler.build_connector_meta``: give each job of a traced request its request span's
@@ -297,6 +298,18 @@ class _RequestIds(IdGenerator):
 
     def is_trace_id_random(self) -> bool:
         return self.inner.is_trace_id_random()
+
+
+def _count_splits(telemetry: HiCacheTelemetry, entries: list[tuple[int, tuple[int, int, int, int, int]]]) -> None:
+    """Host thread: the splits of the requests admitted since its last round (:meth:`RequestHooks._count_split`),
+    summed: one count."""
+    telemetry.record_prefix_splits(row for _, row in entries)
+
+
+def _count_waits(telemetry: HiCacheTelemetry, entries: list[tuple[int, sc.Tier, float, int]]) -> None:
+    """Host thread: the KV waits that ended since its last round (:meth:`RequestHooks._waited`)."""
+    for _, tier, wait_s, when_ns in entries:
+        telemetry.record_kv_wait(KvWait(tier, wait_s, when_ns))
 
 
 def _identity(headers: Mapping[str, str] | None) -> Identity:
