@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.trace import SpanContext, TraceFlags
+from opentelemetry.trace import TraceFlags
 
 from otel_hicache import semconv as sc
 from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, warn_once
@@ -79,9 +79,6 @@ class Identity(NamedTuple):
     trace_id: int
     span_id: int
     flags: int
-
-    def context(self, remote: bool = True) -> SpanContext:
-        return SpanContext(self.trace_id, self.span_id, is_remote=remote, trace_flags=TraceFlags(self.flags))
 
 
 class _Request:
