@@ -181,6 +181,13 @@ class EngineHooks:
         ranks = self._ranks
         return self.sink.get(None if ranks is None else lambda: ranks(*at))
 
+    def _patient(
+        self, kind: sc.RecordKind, build: Callable[[HiCacheTelemetry, list[tuple[Any, ...]]], None], *at: Any
+    ) -> DeferredQueue | None:
+        """The process's patient queue of ``kind`` (:meth:`ProcessSink.patient`), its telemetry built now (with
+        ``ranks(*at)``) if this is its first event; ``None`` when this process reports nothing."""
+        return None if self._sink(*at) is None else self.sink.patient(kind, build)
+
 
 class CapacityFeeder(EngineHooks, ABC):
     """Base of an engine's hooks feeding the process's capacity estimator: the feed is made once, at the first

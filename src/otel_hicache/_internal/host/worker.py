@@ -10,17 +10,15 @@ engine check; over OTLP by the constructor). Each round (:meth:`HostWorker.work`
   be had, relays the export process's log lines, replaces an exporter that died;
 * in-process, turns the ring's records into spans and points in slices, at least every flush interval.
 
-It ticks every :data:`DEFERRED_TICK_S` while it has deferred records to build, and always in-process, where it
-drains the ring; every :data:`PATIENT_TICK_S` for patient queues alone (capacity lookups, and counts read only at
-collection: vLLM's engine core); else every
-:data:`TEND_INTERVAL_S` (pool sources alone need no faster tick). It pauses
-:data:`PAUSE_S` after a busy round, so the scheduler thread gets the GIL back. Reads of the counters wait (bounded)
-for what is queued to be built (:meth:`HostWorker.settle`); while a flush or a shutdown waits, the thread builds
-without pausing between its slices (it only lets go of the GIL): the waiting thread needs nothing else, and every
-pause costs a wake. ``fork``: the child
-starts from zero as its own process (its own table, ring, thread and exporter); the parent stays exact; no lock is
-inherited held. What cannot be had (a thread, shared memory) never raises into the caller: it is logged once and
-tried again.
+It ticks every :data:`DEFERRED_TICK_S` while it has deferred records to build, and always in-process, where it drains
+the ring; every :data:`PATIENT_TICK_S` for patient queues alone (capacity lookups, and counts read only at collection:
+vLLM's engine core); else every :data:`TEND_INTERVAL_S` (pool sources alone need no faster tick). It pauses
+:data:`PAUSE_S` after a busy round, so the scheduler thread gets the GIL back. Reads of the counters wait (bounded) for
+what is queued to be built (:meth:`HostWorker.settle`); while a flush or a shutdown waits, the thread builds without
+pausing between its slices (it only lets go of the GIL): the waiting thread needs nothing else, and every pause costs a
+wake. ``fork``: the child starts from zero as its own process (its own table, ring, thread and exporter); the parent
+stays exact; no lock is inherited held. What cannot be had (a thread, shared memory) never raises into the caller: it is
+logged once and tried again.
 """
 
 from __future__ import annotations

@@ -88,9 +88,9 @@ class CpuTierHooks(EngineHooks):
         manager = wrapped(*args, **kwargs)
         with self._lock:
             new = manager not in self._tiers
-        sink = self._sink(instance) if new else None
-        evictions = self.sink.patient(RecordKind.EVICTION, _count_evictions) if sink is not None else None
-        if sink is not None and evictions is not None:
+        evictions = self._patient(RecordKind.EVICTION, _count_evictions, instance) if new else None
+        sink = self.telemetry  # built with the queue
+        if evictions is not None and sink is not None:
             config = instance.config
             tokens_per_chunk = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
             copies = 1 if instance.replicated_layout else config.parallel.world_size

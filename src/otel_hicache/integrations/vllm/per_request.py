@@ -161,10 +161,9 @@ class RequestHooks(EngineHooks):
             else:
                 other += int(tokens)
         row = (int(stats.num_computed_tokens), int(stats.num_local_cached_tokens), host, storage, other)
-        if self._sink(None) is not None:
-            queue = self.sink.patient(sc.RecordKind.PREFIX_SPLIT, _count_splits)
-            if queue is not None:
-                queue.put((next(queue.seq), row))
+        queue = self._patient(sc.RecordKind.PREFIX_SPLIT, _count_splits, None)
+        if queue is not None:
+            queue.put((next(queue.seq), row))
         if state.identity is not None:  # for its request span (vLLM's tracing on): nothing else reads them
             modes = zip(sc.PrefillMode, row, strict=True)  # the row's order
             state.attributes.update({f"{sc.ATTR_PREFIX_TOKENS}.{mode.value}": n for mode, n in modes})
@@ -201,10 +200,9 @@ class RequestHooks(EngineHooks):
         if state.identity is not None:  # vLLM's tracing on: the request span's attribute
             state.attributes[f"{sc.ATTR_KV_WAIT}.{state.wait_tier.value}"] = wait_s
             _publish(request)
-        if self._sink(None) is not None:
-            queue = self.sink.patient(sc.RecordKind.KV_WAIT, _count_waits)
-            if queue is not None:
-                queue.put((next(queue.seq), state.wait_tier, wait_s, now_ns()))
+        queue = self._patient(sc.RecordKind.KV_WAIT, _count_waits, None)
+        if queue is not None:
+            queue.put((next(queue.seq), state.wait_tier, wait_s, now_ns()))
 
     def build_connector_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingConnectorScheduler.build_connector_meta``: give each job of a traced request its request span's
