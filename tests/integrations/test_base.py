@@ -19,7 +19,14 @@ import pytest
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled, suppress_instrumentation
 
 from otel_hicache import semconv as sc
-from otel_hicache.integrations._base import EngineInstrumentor, ProcessSink, Target, Wrapper, checks_suppression
+from otel_hicache.integrations._base import (
+    EngineInstrumentor,
+    ProcessSink,
+    Skips,
+    Target,
+    Wrapper,
+    checks_suppression,
+)
 from otel_hicache.records import TransferRecord
 from otel_hicache.telemetry import HiCacheTelemetry
 from otel_hicache.testing.sdk import Sdk
@@ -90,18 +97,20 @@ def test_a_toy_engine_is_patched_on_import_reports_and_is_restored(toy_engine_pa
         assert store.offload(16) == 16 * 128
         with suppress_instrumentation():
             assert store.offload(1000) == 1000 * 128  # passes straight through
+        with sdk.tracer_provider.get_tracer("caller").start_as_current_span("caller"):
+            assert store.offload(4) == 4 * 128  # a context with other values: reported
         telemetry = instrumentor.telemetry
         assert telemetry is not None
         telemetry.flush()
         counted = {k: v for k, v in telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS].items() if v}
-        assert counted == {("backup", "kv"): 16, ("backup", "toy_latent"): 1}  # the adapter's own pool name is known
-        (span,) = sdk.spans("hicache.backup")
-        assert span.attributes is not None and span.attributes[sc.ATTR_BYTES] == 16 * 128
+        assert counted == {("backup", "kv"): 20, ("backup", "toy_latent"): 2}  # the adapter's own pool name is known
+        spans = sdk.spans("hicache.backup")
+        assert sorted(span.attributes[sc.ATTR_BYTES] for span in spans if span.attributes) == [4 * 128, 16 * 128]
     finally:
         instrumentor.uninstrument()
     assert toy_engine.KVStore.__dict__["offload"] is original
     toy_engine.KVStore().offload(8)
-    assert telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")] == 16  # nothing reported any more
+    assert telemetry.snapshot()[sc.METRIC_TRANSFER_TOKENS][("backup", "kv")] == 20  # nothing reported any more
 
 
 def test_uninstrument_disarms_patches_for_modules_not_imported_yet(toy_engine_path: Path, sdk: Sdk) -> None:
@@ -155,3 +164,27 @@ def test_instrument_cycles_before_the_engine_is_imported_keep_no_old_telemetry_a
     del telemetry
     gc.collect()
     assert [ref() is None for ref in old[:-1]] == [True, True]  # the instrumentor keeps only its last sink
+
+
+def test_an_object_skips_our_wrapper_while_told_and_never_loses_another_partys_patch_of_it(
+    toy_engine_path: Path, sdk: Sdk
+) -> None:
+    toy_engine = importlib.import_module("toy_engine")
+    instrumentor = ToyInstrumentor()
+    instrumentor.instrument(telemetry=sdk.telemetry)
+    try:
+        skipping, patched = toy_engine.KVStore(), toy_engine.KVStore()
+        theirs = patched.offload = lambda tokens: tokens  # another party's patch of one object
+        skips, untouched = Skips(skipping, ["offload"]), Skips(patched, ["offload"])
+        skips.set("offload", True)
+        untouched.set("offload", True)
+        assert skipping.offload(8) == 8 * 128  # the engine's method, not reported
+        assert patched.offload(2) == 2 and patched.offload is theirs
+        skips.set("offload", False)
+        assert skipping.offload(16) == 16 * 128  # reported again
+        skips.set("offload", True)
+    finally:
+        skips.end()
+        instrumentor.uninstrument()
+    assert "offload" not in vars(skipping) and patched.offload is theirs
+    assert backed_up(sdk)[("backup", "kv")] == 16  # the one call made while not skipped

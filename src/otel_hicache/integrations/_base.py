@@ -64,6 +64,7 @@ from otel_hicache import semconv as sc
 from otel_hicache.integrations._once import ONCE, hook_failed, warn_once
 from otel_hicache.integrations._patching import (
     Patching,
+    Skips,
     Target,
     Wrapper,
     bypass,
@@ -93,6 +94,7 @@ __all__ = [
     "EngineInstrumentor",
     "ProcessSink",
     "Ranks",
+    "Skips",
     "Target",
     "WeakPoolSource",
     "Wrapper",
