@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -103,6 +104,77 @@ def test_a_finished_transfer_is_only_queued_by_the_workers_step_and_built_on_the
 
     assert len(instrumented.spans("hicache.backup") + instrumented.spans("hicache.load_back")) == 5
     assert built_on == [HOST_THREAD_NAME] * 5  # none on the worker's thread, where vLLM's next forward waits
+
+
+class Entered:
+    """How many times each of our worker hooks was entered (a profile function: it sees a call wherever it comes
+    from, and changes nothing of the calls)."""
+
+    HOOKS = ("start_kv_transfers", "get_finished")
+
+    def __init__(self) -> None:
+        self._codes = {getattr(hooks.OffloadHooks, name).__code__: name for name in self.HOOKS}
+        self.calls: dict[str, int] = {}
+
+    def __enter__(self) -> Entered:
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        name = self._codes.get(frame.f_code) if event == "call" else None
+        if name is not None:
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def take(self) -> dict[str, int]:
+        calls, self.calls = self.calls, {}
+        return calls
+
+
+def test_a_workers_step_enters_our_later_wrappers_only_when_they_have_something_to_do(instrumented: Sdk) -> None:
+    """handle_preemptions, the first of a step's calls, notes the step's transfers: start_kv_transfers' wrapper runs
+    only in a step with loads, get_finished's only while a transfer is pending (each wrapped call costs the step
+    ~10 us cold), and every transfer is still reported as vLLM counts it."""
+    engine = support.engine()
+    with Entered() as entered:
+        engine._step()  # nothing to submit, nothing pending
+        assert entered.take() == {}
+        keys = engine.store("a", [0, 1])  # noted in its step, submitted and finished in the next
+        assert keys is not None
+        assert entered.take() == {"get_finished": 2}
+        engine._step()
+        assert entered.take() == {}
+        engine.load("a", keys, [10, 11])  # submitted and finished in its step
+        assert entered.take() == {"start_kv_transfers": 1, "get_finished": 1}
+        engine._step()
+        assert entered.take() == {}
+
+    vllm = engine.vllm_stats()
+    assert size(instrumented, BACKUP) == vllm["vllm:kv_offload_store_bytes"] > 0
+    assert size(instrumented, LOAD_BACK) == vllm["vllm:kv_offload_load_bytes"] > 0
+
+
+def test_a_worker_that_skipped_our_wrappers_calls_vllms_own_after_uninstrument_and_ours_after_instrument(
+    instrumented: Sdk,
+) -> None:
+    from otel_hicache.integrations.vllm import VLLMOffloadInstrumentor
+
+    engine = support.engine()
+    keys = engine.store("a", [0, 1])
+    assert keys is not None
+    engine._step()  # no load, none pending: skips both
+    worker = engine.worker.connector_worker
+    assert {"start_kv_transfers", "get_finished"} <= set(vars(worker))
+
+    VLLMOffloadInstrumentor().uninstrument()
+    assert not {"start_kv_transfers", "get_finished"} & set(vars(worker))
+    VLLMOffloadInstrumentor().instrument(telemetry=instrumented.telemetry)
+    engine.load("a", keys, [10, 11])
+
+    assert len(instrumented.spans("hicache.load_back")) == 1
+    assert len(instrumented.spans("hicache.backup")) == 1
 
 
 def test_cpu_tier_occupancy_is_the_managers_chunks_in_tokens(instrumented: Sdk) -> None:

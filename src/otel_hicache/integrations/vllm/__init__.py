@@ -18,9 +18,9 @@ vLLM (wrapped)                                becomes
 ``OffloadingConnectorWorker.register_kv_      nothing reported: the worker's telemetry is built, and its export process
 caches`` (the engine's start)                 up (at most 10 s), before the engine serves (``CPUOffloadingSpec.
                                               get_manager`` does the same in the scheduler)
-``OffloadingConnectorWorker.prepare_store_    the job's direction and GPU blocks; submission time (stores: when the
-kv`` / ``handle_preemptions`` /               next step submits them)
-``start_kv_transfers``
+``OffloadingConnectorWorker.handle_         the job's direction and GPU blocks, noted at the step's first call; its
+preemptions`` / ``start_kv_transfers``        submission time (stores: when the next step submits them). A step whose
+                                              later calls have nothing to note skips our wrappers of them
 ``OffloadingConnectorWorker.get_finished``    one ``hicache.backup`` (``GPU_to_CPU``) / ``hicache.load_back``
 with ``DirectionalTransferStats.record`` and  (``CPU_to_GPU``) span and transfer record per finished ``TransferResult``:
 ``OffloadingWorkerMetadata.mark_completed``   its bytes and time exactly as vLLM counts them; tokens = the token

@@ -1,12 +1,13 @@
 """The wrapt wrappers around vLLM's KV offloading connector: transfers and failures (the CPU tier's wrappers are in
 :mod:`.cpu_tier`, the requests' in :mod:`.per_request`; what they share is :class:`~.._base.EngineHooks`).
 
-Worker side (one process per GPU worker): a transfer is noted when vLLM's ``OffloadingConnectorWorker`` submits it
-(job id, direction, GPU blocks, the request span it serves) and reported when its ``get_finished`` consumes the
-worker's ``TransferResult``: the wrapper sees each result exactly where vLLM counts it, as the
-``DirectionalTransferStats.record(bytes, time)`` call (vLLM's own ``vllm:kv_offload_*`` bytes and time) followed by
-``OffloadingWorkerMetadata.mark_completed(job_id)``; its record is built and counted on the telemetry's host thread
-(``record_transfer_deferred``), off the worker's step. Scheduler side (the engine-core process):
+Worker side (one process per GPU worker): a transfer is noted at the first of its step's calls on vLLM's
+``OffloadingConnectorWorker`` (job id, direction, GPU blocks, the request span it serves), stamped when vLLM submits
+it, and reported when its ``get_finished`` consumes the worker's ``TransferResult``: the wrapper sees each result
+exactly where vLLM counts it, as the ``DirectionalTransferStats.record(bytes, time)`` call (vLLM's own
+``vllm:kv_offload_*`` bytes and time) followed by ``OffloadingWorkerMetadata.mark_completed(job_id)``; its record is
+built and counted on the telemetry's host thread (``record_transfer_deferred``), off the worker's step. A step's later
+calls with nothing to note skip our wrappers (:class:`~.._base.Skips`). Scheduler side (the engine-core process):
 ``OffloadingConnectorStats.increase_counter`` of the allocation-failure counter.
 
 Sync loads (vLLM >= 0.33, a load job with ``sync`` set): ``start_kv_transfers`` submits them and waits for them
@@ -45,7 +46,7 @@ from typing import Any, NamedTuple
 
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, trim
+from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, Skips, trim
 from otel_hicache.integrations.vllm.cpu_tier import await_export_process
 from otel_hicache.integrations.vllm.semconv import ALLOCATION_FAILURE, LINKS, SYNC_WAITS, group_pool
 from otel_hicache.records import TransferFailure, TransferRecord
@@ -92,6 +93,8 @@ class _Completed(NamedTuple):
     kwargs: dict
 
 
+#: The worker's connector calls a step may skip our wrappers of (see OffloadHooks.handle_preemptions).
+_SKIPPABLE = ("start_kv_transfers", "get_finished")
 #: Per direction (backup, load back): bytes, timed transfers, their seconds.
 _Totals = tuple[tuple[float, ...], ...]
 _DIRECTIONS = (TransferOperation.BACKUP, TransferOperation.LOAD_BACK)
@@ -108,15 +111,19 @@ class _Connector:
         "ours",
         "pending",
         "sink",
+        "skipping",
+        "skips",
         "sync_waits",
         "theirs",
         "worker_timing",
     )
 
-    def __init__(self, sink: HiCacheTelemetry | None, groups: tuple[_Group, ...]) -> None:
+    def __init__(self, sink: HiCacheTelemetry | None, groups: tuple[_Group, ...], skips: Skips) -> None:
         self.sink = sink
         self.groups = groups
         self.pending: dict[int, _Pending] = {}
+        self.skips = skips  # the step's calls the worker skips our wrappers of (decided by handle_preemptions)
+        self.skipping = (False, False)  # ... whether start_kv_transfers and get_finished are skipped now
         self.sync_waits: dict[str, float] = {}  # request id -> seconds waited for its sync load, until handed over
         self.worker_timing: TimingSource | None = None
         # [bytes, timed count, seconds] per direction: what we recorded, what vLLM handed over
@@ -196,16 +203,23 @@ class OffloadHooks(EngineHooks):
         super().__init__(sink, ranks)
         self._attr = f"_otel_hicache_jobs_{id(self):x}"
         self._finishing = threading.local()  # the events of the get_finished call running on this thread
+        self._connectors: weakref.WeakSet[_Connector] = weakref.WeakSet()  # whose skips uninstrument() ends
 
     def _connector(self, worker: Any) -> _Connector:
         state = getattr(worker, self._attr, None)
         if state is None:
             spec = worker.spec
-            state = _Connector(self._sink(spec), _groups(spec, worker.kv_cache_config))
+            state = _Connector(self._sink(spec), _groups(spec, worker.kv_cache_config), Skips(worker, _SKIPPABLE))
             setattr(worker, self._attr, state)
+            self._connectors.add(state)
             if state.sink is not None:
                 state.sink.add_engine_check(_TransferCheck(state, state.sink))
         return state
+
+    def detach(self) -> None:
+        """``uninstrument()``: every worker calls its connector's methods through the class again."""
+        for state in list(self._connectors):
+            state.skips.end()
 
     # ------------------------------------------------------------------ start: OffloadingConnectorWorker
     def register_kv_caches(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -217,50 +231,55 @@ class OffloadHooks(EngineHooks):
         return result
 
     # ------------------------------------------------------------------ submission: OffloadingConnectorWorker
-    def prepare_store_kv(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """Stores are queued here and submitted at the start of the next step; note their blocks now."""
+    # A step's calls on the worker's connector run right after vLLM's own work has left their code cold: each wrapped
+    # call costs the step ~10 us, whatever it does. So the step's first call notes the step's transfers and says which
+    # of the calls after it have nothing to do (skipped: vLLM's method called directly); prepare_store_kv, which only
+    # queues the stores the first call noted, is not wrapped at all.
+    def handle_preemptions(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """The first of a step's calls (vLLM makes it every step): submits the stores queued last step and those a
+        preemption flushes, so their submission time is now. It notes the step's jobs from its metadata: the stores
+        the step queues at its end (``prepare_store_kv``), submitted by the next step's call, and the loads that
+        ``start_kv_transfers`` submits (which stamps them). ``start_kv_transfers`` is skipped in a step with no load
+        and no store still queued, ``get_finished`` while none of our transfers is pending."""
+        metadata = args[0] if args else kwargs["kv_connector_metadata"]
+        state = self._connector(instance)
+        if instance._unsubmitted_store_jobs:
+            _stamp(state, [job_id for job_id, *_ in instance._unsubmitted_store_jobs], now_ns())
+        stores, loads = metadata.store_jobs, metadata.load_jobs
+        if stores and instance._is_store_writer:
+            self._note(state, TransferOperation.BACKUP, stores, 0, metadata)
+            if metadata.jobs_to_flush:  # submitted by this call
+                _stamp(state, list(metadata.jobs_to_flush), now_ns())
+        if loads:
+            self._note(state, TransferOperation.LOAD_BACK, loads, 0, metadata)
         result = wrapped(*args, **kwargs)
-        if instance._is_store_writer:
-            metadata = args[0] if args else kwargs["metadata"]
-            self._note(instance, TransferOperation.BACKUP, metadata.store_jobs, 0, metadata)
+        skipping = (not (loads or instance._unsubmitted_store_jobs), not state.pending)
+        if skipping != state.skipping:
+            state.skipping = skipping
+            state.skips.set("start_kv_transfers", skipping[0])
+            state.skips.set("get_finished", skipping[1])
         return result
 
-    # Both submission wrappers run every step, right after vLLM's own work has left their code cold: a step with
-    # nothing to note costs them two attribute reads and no call of ours (``benchmarks vllm``'s busy columns).
-    def handle_preemptions(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """Submits queued stores and the ones a preemption flushes: their submission time is now."""
-        metadata = args[0] if args else kwargs["kv_connector_metadata"]
-        if metadata.jobs_to_flush and instance._is_store_writer:
-            flushed = {j: metadata.store_jobs[j] for j in metadata.jobs_to_flush if j in metadata.store_jobs}
-            self._note(instance, TransferOperation.BACKUP, flushed, now_ns(), metadata)
-        if instance._unsubmitted_store_jobs:
-            self._submitted(instance)
-        return wrapped(*args, **kwargs)
-
     def start_kv_transfers(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """Submits queued stores and this step's loads, and waits for its sync loads (vLLM >= 0.33): the time it
-        takes then is what each of their requests waited."""
+        """Submits the step's loads (and any store still queued): their submission time is now; and waits for its
+        sync loads (vLLM >= 0.33): the time it takes then is what each of their requests waited."""
         metadata = args[0] if args else kwargs["metadata"]
-        if instance._unsubmitted_store_jobs:
-            self._submitted(instance)
+        state = self._connector(instance)
         jobs = metadata.load_jobs
-        if not jobs:
-            return wrapped(*args, **kwargs)
-        self._note(instance, TransferOperation.LOAD_BACK, jobs, now_ns(), metadata)
+        _stamp(state, [*(job_id for job_id, *_ in instance._unsubmitted_store_jobs), *jobs], now_ns())
         synced = [job.req_id for job in jobs.values() if getattr(job, "sync", False)]
         if not synced:
             return wrapped(*args, **kwargs)
         start = time.perf_counter()
         result = wrapped(*args, **kwargs)
         waited = time.perf_counter() - start
-        waits = self._connector(instance).sync_waits
+        waits = state.sync_waits
         for req_id in synced:
             waits[req_id] = waited
         trim(waits)
         return result
 
-    def _note(self, instance: Any, operation: TransferOperation, jobs: Any, submit_ns: int, metadata: Any) -> None:
-        state = self._connector(instance)
+    def _note(self, state: _Connector, operation: TransferOperation, jobs: Any, submit_ns: int, metadata: Any) -> None:
         if state.sink is None or not jobs:
             return
         pending, groups = state.pending, state.groups
@@ -276,15 +295,6 @@ class OffloadHooks(EngineHooks):
             link = () if served is None else (_span_context(*served),)
             pending[job_id] = _Pending(operation, tokens, blocks, submit_ns, link)
         trim(pending)
-
-    def _submitted(self, instance: Any) -> None:
-        """Stamp the stores vLLM is about to submit (``_unsubmitted_store_jobs``, not empty) with the submission
-        time."""
-        pending, now = self._connector(instance).pending, now_ns()
-        for job_id, *_ in instance._unsubmitted_store_jobs:
-            entry = pending.get(job_id)
-            if entry is not None and entry.submit_ns == 0:
-                pending[job_id] = entry._replace(submit_ns=now)
 
     # ------------------------------------------------------------------ completion
     def get_finished(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -379,6 +389,15 @@ class OffloadHooks(EngineHooks):
             for _ in range(int(count)):
                 sink.record_failure(failure)
         return result
+
+
+def _stamp(state: _Connector, job_ids: list[int], now: int) -> None:
+    """The jobs vLLM is about to submit: each noted one not yet stamped gets ``now`` as its submission time."""
+    pending = state.pending
+    for job_id in job_ids:
+        entry = pending.get(job_id)
+        if entry is not None and entry.submit_ns == 0:
+            pending[job_id] = entry._replace(submit_ns=now)
 
 
 def _built(payload: tuple[_Pending, tuple[Any, Any] | None, int, TimingSource]) -> TransferRecord:

