@@ -71,6 +71,7 @@ from otel_hicache.integrations._patching import (
     checks_suppression,
     end_bypass,
     guarded,
+    suppressed,
 )
 from otel_hicache.integrations._sink import (
     MAX_PENDING,
@@ -104,6 +105,7 @@ __all__ = [
     "end_bypass",
     "hook_failed",
     "load_plugin",
+    "suppressed",
     "trim",
     "warn_once",
 ]

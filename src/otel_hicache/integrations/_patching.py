@@ -191,9 +191,7 @@ def guarded(wrapper: Wrapper, engine: str, hook: str) -> Wrapper:
     guarded = not _checks_suppression(wrapper)
 
     def safe(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # suppression is a value of the current context: an empty one (an engine's threads, as a rule) holds none,
-        # and saying so costs one call where is_instrumentation_enabled() makes seven (every wrapped call pays it)
-        if guarded and get_current() and not is_instrumentation_enabled():
+        if guarded and suppressed():
             return wrapped(*args, **kwargs)
         call = _Call(wrapped)
         try:
@@ -209,6 +207,13 @@ def guarded(wrapper: Wrapper, engine: str, hook: str) -> Wrapper:
         return call.result
 
     return safe
+
+
+def suppressed() -> bool:
+    """Whether the caller is inside ``suppress_instrumentation()``. That is a value of the current context: an empty
+    one (an engine's threads, as a rule) holds none, and saying so takes two calls where
+    ``is_instrumentation_enabled()`` makes seven (every wrapped call asks)."""
+    return bool(get_current()) and not is_instrumentation_enabled()
 
 
 def checks_suppression(wrapper: _W) -> _W:

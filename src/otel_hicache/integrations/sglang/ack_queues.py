@@ -34,10 +34,9 @@ from collections.abc import Callable, Iterable
 from time import monotonic_ns
 from typing import Any, Final, SupportsIndex
 
-from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from opentelemetry.trace import Span, SpanContext
 
-from otel_hicache.integrations._base import MAX_PENDING, hook_failed, trim
+from otel_hicache.integrations._base import MAX_PENDING, hook_failed, suppressed, trim
 from otel_hicache.records import KvWait
 from otel_hicache.semconv import Tier, TimingSource, TransferOperation
 from otel_hicache.telemetry import DeferredQueue, HiCacheTelemetry
@@ -88,7 +87,7 @@ class AckQueue(list[Any]):  # SGLang's List[HiCacheAck]
         submitted = self._submitted
         if submitted is not None:
             try:
-                submitted[id(ack)] = monotonic_ns() if is_instrumentation_enabled() else None
+                submitted[id(ack)] = None if suppressed() else monotonic_ns()
                 if len(submitted) > MAX_PENDING:
                     trim(submitted)
             except Exception:
