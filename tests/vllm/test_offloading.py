@@ -20,9 +20,9 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 
 from otel_hicache._internal.host.worker import HOST_THREAD_NAME
-from otel_hicache.integrations.vllm import hooks
+from otel_hicache.integrations.vllm import hooks, per_request
 from otel_hicache.testing.sdk import Sdk
-from tests.vllm import support
+from tests.vllm import stepping, support
 
 pytestmark = pytest.mark.vllm
 
@@ -107,13 +107,11 @@ def test_a_finished_transfer_is_only_queued_by_the_workers_step_and_built_on_the
 
 
 class Entered:
-    """How many times each of our worker hooks was entered (a profile function: it sees a call wherever it comes
-    from, and changes nothing of the calls)."""
+    """How many times each of our hooks ``names`` of ``group`` was entered (a profile function: it sees a call
+    wherever it comes from, and changes nothing of the calls)."""
 
-    HOOKS = ("start_kv_transfers", "get_finished")
-
-    def __init__(self) -> None:
-        self._codes = {getattr(hooks.OffloadHooks, name).__code__: name for name in self.HOOKS}
+    def __init__(self, group: type, *names: str) -> None:
+        self._codes = {getattr(group, name).__code__: name for name in names}
         self.calls: dict[str, int] = {}
 
     def __enter__(self) -> Entered:
@@ -138,7 +136,7 @@ def test_a_workers_step_enters_our_later_wrappers_only_when_they_have_something_
     only in a step with loads, get_finished's only while a transfer is pending (each wrapped call costs the step
     ~10 us cold), and every transfer is still reported as vLLM counts it."""
     engine = support.engine()
-    with Entered() as entered:
+    with Entered(hooks.OffloadHooks, "start_kv_transfers", "get_finished") as entered:
         engine._step()  # nothing to submit, nothing pending
         assert entered.take() == {}
         keys = engine.store("a", [0, 1])  # noted in its step, submitted and finished in the next
@@ -175,6 +173,23 @@ def test_a_worker_that_skipped_our_wrappers_calls_vllms_own_after_uninstrument_a
 
     assert len(instrumented.spans("hicache.load_back")) == 1
     assert len(instrumented.spans("hicache.backup")) == 1
+
+
+def test_with_vllms_tracing_off_a_connectors_steps_skip_our_link_wrapper_until_a_traced_request(
+    instrumented: Sdk,
+) -> None:
+    """build_connector_meta's wrapper links each job to its request span, which only vLLM's tracing makes: without
+    it, the connector's steps after the first call vLLM's method directly; a traced request brings the wrapper back."""
+    engine = stepping.stepper()
+    engine.add("a", list(range(40)), max_tokens=3)
+    with Entered(per_request.RequestHooks, "build_connector_meta") as entered:
+        engine.step()
+        engine.step()
+        assert entered.take() == {"build_connector_meta": 1}
+        engine.scheduler.observability_config.otlp_traces_endpoint = "http://127.0.0.1:9"
+        engine.add("b", list(range(100, 140)))
+        engine.step()
+        assert entered.take() == {"build_connector_meta": 1}
 
 
 def test_cpu_tier_occupancy_is_the_managers_chunks_in_tokens(instrumented: Sdk) -> None:

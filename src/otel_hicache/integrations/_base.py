@@ -161,6 +161,7 @@ class EngineInstrumentor(BaseInstrumentor):
     _sink: ProcessSink | None = None
     _sink_key: tuple[Any, ...] = ()
     _patch: Patching | None = None
+    _hooks: tuple[EngineHooks, ...] = ()  # the groups of wrappers patched (detached at uninstrument)
     _exit_registered = False
 
     @abstractmethod
@@ -206,7 +207,9 @@ class EngineInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         """Arm the post-import hooks that put the adapter's wrappers on their targets (each under the failure rule),
         and the exit flush."""
-        wrappers = self._patches(self._process_sink(kwargs), kwargs)
+        wrappers = list(self._patches(self._process_sink(kwargs), kwargs))
+        hooks = (getattr(wrapper, "__self__", None) for _, wrapper in wrappers)
+        self._hooks = tuple({id(h): h for h in hooks if isinstance(h, EngineHooks)}.values())
         patches = [(target, guarded(wrapper, self._engine, target.name)) for target, wrapper in wrappers]
         self._patch = Patching(self._engine, patches)
         if not self._exit_registered:
@@ -239,6 +242,9 @@ class EngineInstrumentor(BaseInstrumentor):
         return self._sink
 
     def _uninstrument(self, **kwargs: Any) -> None:
+        hooks, self._hooks = self._hooks, ()
+        for group in hooks:
+            group.detach()
         patch, self._patch = self._patch, None
         if patch is not None:
             patch.undo()

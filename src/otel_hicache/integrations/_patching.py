@@ -245,7 +245,10 @@ def bypass(instance: Any, attribute: str) -> bool:
     """Let ``instance`` call what our wrapper of its class's method ``attribute`` wraps directly from now on (an
     attribute of the instance, which method lookup finds first), for a wrapper with nothing left to do for this
     instance; :func:`end_bypass` takes it away. False (nothing done) where the class's attribute is not our wrapper
-    (another party's wraps ours) or the instance takes no attribute."""
+    (another party's wraps ours), the instance holds the attribute itself (another party's patch) or takes none."""
+    held = getattr(instance, "__dict__", {}).get(attribute)
+    if held is not None:  # bypassed already, or another party's patch: left as it is
+        return isinstance(held, _Direct)
     direct = _direct(instance, attribute)
     if direct is None:
         return False

@@ -181,6 +181,9 @@ class EngineHooks:
         ranks = self._ranks
         return self.sink.get(None if ranks is None else lambda: ranks(*at))
 
+    def detach(self) -> None:
+        """``uninstrument()``: undo what the hooks changed on the engine's objects (none by default)."""
+
     def _patient(
         self, kind: sc.RecordKind, build: Callable[[HiCacheTelemetry, list[tuple[Any, ...]]], None], *at: Any
     ) -> DeferredQueue | None:

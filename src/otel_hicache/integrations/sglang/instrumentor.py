@@ -92,19 +92,12 @@ class SGLangHiCacheInstrumentor(EngineInstrumentor):
     # SGLang's stat loggers use the global meter provider: ours where none is installed (its --enable-trace sets a
     # tracer provider of its own in process_tracing_init, before HiCache starts).
     _install_globals = True
-    _hooks: HiCacheHooks | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments_sglang
 
-    def _uninstrument(self, **kwargs: Any) -> None:
-        if self._hooks is not None:
-            self._hooks.detach()  # adopted ack queues stay lists for SGLang and stop reporting
-        super()._uninstrument(**kwargs)
-
     def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
-        hooks = self._hooks = HiCacheHooks(sink, sglang_ranks)
-        patches = hicache_patches(hooks)
+        patches = hicache_patches(HiCacheHooks(sink, sglang_ranks))
         if options.get("stat_loggers", True):
             resolve = OTelStatLoggers(options.get("meter_provider")).resolve_collector_class
             patches += [

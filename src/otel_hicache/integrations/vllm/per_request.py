@@ -43,6 +43,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from itertools import chain
 from typing import Any, NamedTuple
@@ -52,7 +53,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, warn_once
+from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, bypass, end_bypass, warn_once
 from otel_hicache.integrations.vllm.semconv import LINKS, SYNC_WAITS
 from otel_hicache.records import KvWait
 from otel_hicache.telemetry import HiCacheTelemetry
@@ -104,13 +105,16 @@ class RequestHooks(EngineHooks):
         self._span = threading.local()  # in the frontend: the payload of the request span being created
         self._ids: _RequestIds | None = None
         self._traced = False  # in the scheduler: a request with a request span was admitted (vLLM's tracing is on)
+        self._untraced: weakref.WeakSet[Any] = weakref.WeakSet()  # connectors that skip build_connector_meta meanwhile
 
     # ------------------------------------------------------------------ scheduler (engine core)
     def add_request(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``Scheduler.add_request(request)``: with vLLM's tracing on, choose the request span's identity."""
         request = args[0] if args else kwargs["request"]
         if instance.observability_config.otlp_traces_endpoint is not None:
-            self._traced = True
+            if not self._traced:
+                self._traced = True
+                self.detach()  # build_connector_meta links jobs to request spans from now on
             setattr(request, _STATE, _Request(_identity(request.trace_headers)))
             _publish(request)
         return wrapped(*args, **kwargs)
@@ -168,6 +172,13 @@ class RequestHooks(EngineHooks):
             modes = zip(sc.PrefillMode, row, strict=True)  # the row's order
             state.attributes.update({f"{sc.ATTR_PREFIX_TOKENS}.{mode.value}": n for mode, n in modes})
 
+    def detach(self) -> None:
+        """Every connector calls its ``build_connector_meta`` through the class again (``uninstrument()``, or the
+        first traced request)."""
+        for connector in list(self._untraced):
+            end_bypass(connector, "build_connector_meta")
+        self._untraced.clear()
+
     def update_waiting_for_remote_kv(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
     ) -> Any:
@@ -208,7 +219,9 @@ class RequestHooks(EngineHooks):
         """``OffloadingConnectorScheduler.build_connector_meta``: give each job of a traced request its request span's
         context, for the worker's transfer span to link to."""
         meta = wrapped(*args, **kwargs)
-        if not self._traced:  # vLLM's tracing is off: no request span to link to (every step: return at once)
+        if not self._traced:  # vLLM's tracing is off: no request span to link to, the connector's steps skip this
+            if bypass(instance, "build_connector_meta"):
+                self._untraced.add(instance)
             return meta
         links = {}
         requests = instance._req_status
