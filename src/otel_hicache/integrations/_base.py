@@ -17,7 +17,7 @@ Further modules an engine needs (SGLang's ack queues, self-check, eviction bookk
 **This module** is what adapters import (its ``__all__``) and the instrumentor base; the parts live beside it, one
 job each: ``_once.py`` (one warning per problem per process family, the failure rule's log line), ``_sink.py`` (the
 per-process sink, ranks, :class:`EngineHooks`, bounded bookkeeping) and ``_patching.py`` (targets, the shape check,
-lazy patching, the failure rule, :func:`bypass`).
+lazy patching, the failure rule, :class:`Skips`).
 
 **What the base does the same way for every engine:**
 
@@ -67,9 +67,7 @@ from otel_hicache.integrations._patching import (
     Skips,
     Target,
     Wrapper,
-    bypass,
     checks_suppression,
-    end_bypass,
     guarded,
     suppressed,
 )
@@ -99,10 +97,8 @@ __all__ = [
     "Target",
     "WeakPoolSource",
     "Wrapper",
-    "bypass",
     "checks_suppression",
     "disabled",
-    "end_bypass",
     "hook_failed",
     "load_plugin",
     "suppressed",

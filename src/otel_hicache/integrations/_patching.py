@@ -1,7 +1,7 @@
 """Putting wrappers on an engine, and taking them off: the target table's entries (:class:`Target`), the shape check,
 lazy patching as the engine's modules are imported (:class:`Patching`), the failure rule (:func:`guarded`): a
 wrapper never raises into the engine and never changes the engine's exception, and an engine object that calls the
-engine's method past our wrapper for a while (:func:`bypass`, :class:`Skips`)."""
+engine's method past our wrapper (:class:`Skips`)."""
 
 from __future__ import annotations
 
@@ -241,36 +241,13 @@ def _is_ours(attribute: Any) -> bool:
     return (getattr(getattr(attribute, "_self_wrapper", None), "__module__", "") or "").startswith("otel_hicache.")
 
 
-def bypass(instance: Any, attribute: str) -> bool:
-    """Let ``instance`` call what our wrapper of its class's method ``attribute`` wraps directly from now on (an
-    attribute of the instance, which method lookup finds first), for a wrapper with nothing left to do for this
-    instance; :func:`end_bypass` takes it away. False (nothing done) where the class's attribute is not our wrapper
-    (another party's wraps ours), the instance holds the attribute itself (another party's patch) or takes none."""
-    held = getattr(instance, "__dict__", {}).get(attribute)
-    if held is not None:  # bypassed already, or another party's patch: left as it is
-        return isinstance(held, _Direct)
-    direct = _direct(instance, attribute)
-    if direct is None:
-        return False
-    try:
-        setattr(instance, attribute, direct)
-    except (AttributeError, TypeError):  # __slots__ or a frozen object
-        return False
-    return True
-
-
-def end_bypass(instance: Any, attribute: str) -> None:
-    """Undo :func:`bypass`: ``instance`` calls its class's ``attribute`` again."""
-    if isinstance(getattr(instance, "__dict__", {}).get(attribute), _Direct):
-        delattr(instance, attribute)
-
-
 class Skips:
-    """Which of our wrappers of its class's methods ``instance`` skips for now, each switched by one write to the
-    instance's ``__dict__`` (method lookup finds it before the class's wrapper): for wrappers that an earlier call
-    knows have nothing to do in the calls that follow (a wrapped call costs an engine's step ~10 us cold, a skipped
-    one a Python call). Only ``attributes`` whose class attribute is our wrapper, and that the instance does not hold
-    itself (another party's patch), are ever skipped; :meth:`end` (at ``uninstrument()``) skips none again."""
+    """Which of our wrappers of its class's methods ``instance`` skips, each switched by one write to the instance's
+    ``__dict__`` (method lookup finds it before the class's wrapper), for wrappers with nothing to do for a while or
+    for good: the instance calls the engine's method directly (a wrapped call costs an engine's step ~10 us cold, a
+    skipped one a Python call). Only ``attributes`` whose class attribute is our wrapper, and that the instance does
+    not hold itself (another party's patch), are ever skipped; :meth:`end` (at ``uninstrument()``) skips none again.
+    """
 
     __slots__ = ("_direct", "_held")
 
@@ -281,10 +258,10 @@ class Skips:
         if held is None:  # __slots__: nothing can be skipped
             return
         for attribute in attributes:
-            held = self._held.get(attribute)
-            if isinstance(held, _Direct):  # skipped under an earlier instrument(), never ended
+            current = self._held.get(attribute)
+            if isinstance(current, _Direct):  # skipped under an earlier instrument(), never ended
                 del self._held[attribute]
-            elif held is not None:
+            elif current is not None:
                 continue
             direct = _direct(instance, attribute)
             if direct is not None:
@@ -294,9 +271,10 @@ class Skips:
         direct = self._direct.get(attribute)
         if direct is None:
             return
-        if skipped:
+        current = self._held.get(attribute)
+        if skipped and current is None:
             self._held[attribute] = direct
-        elif self._held.get(attribute) is direct:
+        elif not skipped and current is direct:
             del self._held[attribute]
 
     def end(self) -> None:

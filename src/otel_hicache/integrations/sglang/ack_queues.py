@@ -3,7 +3,7 @@ where it leaves.
 
 The first submission the hooks see on a controller (``start_writing`` / ``start_loading``) replaces its
 ``ack_write_queue`` / ``ack_load_queue`` by an :class:`AckQueue` (a ``list``, with the same acks), and the controller's
-later submissions call SGLang's methods directly (:func:`~.._base.bypass`). From then on the queue itself does the
+later submissions call SGLang's methods directly (:class:`~.._base.Skips`). From then on the queue itself does the
 work, on the scheduler thread:
 
 * **submission**: SGLang appends one ``HiCacheAck`` per merged transfer right after handing its copy to the transfer

@@ -23,10 +23,9 @@ from otel_hicache.integrations._base import (
     EngineHooks,
     ProcessSink,
     Ranks,
+    Skips,
     WeakPoolSource,
-    bypass,
     checks_suppression,
-    end_bypass,
     trim,
     warn_once,
 )
@@ -88,7 +87,7 @@ class HiCacheHooks(EngineHooks):
         self._clock = AccessClock()  # SGLang's access counter -> time, for the age of evicted nodes
         self._check = SelfCheck()  # against SGLang's own collector
         # controllers whose submissions skip our wrappers (their queues adopted), and which of their methods
-        self._bypassed: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+        self._skips: weakref.WeakKeyDictionary[Any, Skips] = weakref.WeakKeyDictionary()
 
     def _links(self, controller: Any) -> dict[str, Links]:
         """``controller``'s request links, per direction (a load-back's request is never linked to a backup)."""
@@ -111,10 +110,9 @@ class HiCacheHooks(EngineHooks):
         for queue in list(self._queues.values()):
             queue.detach()
         self._queues.clear()
-        for controller, methods in list(self._bypassed.items()):
-            for method in methods:
-                end_bypass(controller, method)
-        self._bypassed.clear()
+        for skips in list(self._skips.values()):
+            skips.end()
+        self._skips.clear()
         self._check.end()
         if self._prefill_queue is not None:
             self._prefill_queue.close()  # dropped by the telemetry once drained
@@ -133,10 +131,11 @@ class HiCacheHooks(EngineHooks):
         later submissions of that direction skip this wrapper. Adopted under suppression too: the ack appended there
         is then known as not to be reported."""
         if self._queue(cc, direction) is not None:
-            method = _SUBMIT[direction]
-            if bypass(cc, method):
-                with self._lock:
-                    self._bypassed.setdefault(cc, set()).add(method)
+            with self._lock:
+                skips = self._skips.get(cc)
+                if skips is None:
+                    skips = self._skips[cc] = Skips(cc, _SUBMIT.values())
+            skips.set(_SUBMIT[direction], True)
         return wrapped(*args, **kwargs)
 
     def _queue(self, cc: Any, direction: str) -> AckQueue | None:

@@ -53,7 +53,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, bypass, end_bypass, warn_once
+from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, Skips, warn_once
 from otel_hicache.integrations.vllm.semconv import LINKS, SYNC_WAITS
 from otel_hicache.records import KvWait
 from otel_hicache.telemetry import HiCacheTelemetry
@@ -105,7 +105,8 @@ class RequestHooks(EngineHooks):
         self._span = threading.local()  # in the frontend: the payload of the request span being created
         self._ids: _RequestIds | None = None
         self._traced = False  # in the scheduler: a request with a request span was admitted (vLLM's tracing is on)
-        self._untraced: weakref.WeakSet[Any] = weakref.WeakSet()  # connectors that skip build_connector_meta meanwhile
+        # connectors that skip build_connector_meta meanwhile
+        self._untraced: weakref.WeakKeyDictionary[Any, Skips] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ scheduler (engine core)
     def add_request(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -175,8 +176,8 @@ class RequestHooks(EngineHooks):
     def detach(self) -> None:
         """Every connector calls its ``build_connector_meta`` through the class again (``uninstrument()``, or the
         first traced request)."""
-        for connector in list(self._untraced):
-            end_bypass(connector, "build_connector_meta")
+        for skips in list(self._untraced.values()):
+            skips.end()
         self._untraced.clear()
 
     def update_waiting_for_remote_kv(
@@ -220,8 +221,9 @@ class RequestHooks(EngineHooks):
         context, for the worker's transfer span to link to."""
         meta = wrapped(*args, **kwargs)
         if not self._traced:  # vLLM's tracing is off: no request span to link to, the connector's steps skip this
-            if bypass(instance, "build_connector_meta"):
-                self._untraced.add(instance)
+            if instance not in self._untraced:
+                skips = self._untraced[instance] = Skips(instance, ("build_connector_meta",))
+                skips.set("build_connector_meta", True)
             return meta
         links = {}
         requests = instance._req_status
