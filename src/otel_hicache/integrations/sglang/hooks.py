@@ -86,7 +86,7 @@ class HiCacheHooks(EngineHooks):
         self._evictions = Evictions()  # the eviction passes running on this thread, innermost last
         self._clock = AccessClock()  # SGLang's access counter -> time, for the age of evicted nodes
         self._check = SelfCheck()  # against SGLang's own collector
-        # controllers whose submissions skip our wrappers (their queues adopted), and which of their methods
+        # controllers whose submissions skip our wrappers (their queues adopted), each with its Skips
         self._skips: weakref.WeakKeyDictionary[Any, Skips] = weakref.WeakKeyDictionary()
 
     def _links(self, controller: Any) -> dict[str, Links]:
