@@ -188,3 +188,36 @@ def test_an_object_skips_our_wrapper_while_told_and_never_loses_another_partys_p
         instrumentor.uninstrument()
     assert "offload" not in vars(skipping) and patched.offload is theirs
     assert backed_up(sdk)[("backup", "kv")] == 16  # the one call made while not skipped
+
+
+def test_skips_keep_no_engine_object_alive_and_never_skip_a_wrapper_put_over_ours_later(
+    toy_engine_path: Path, sdk: Sdk
+) -> None:
+    import wrapt
+
+    toy_engine = importlib.import_module("toy_engine")
+    instrumentor = ToyInstrumentor()
+    instrumentor.instrument(telemetry=sdk.telemetry)
+    try:
+        store = toy_engine.KVStore()
+        store.again = store.offload  # a bound method of its own in its __dict__, as SGLang's controllers hold
+        skips = Skips(store, ["offload"])
+        skips.set("offload", True)
+        gone = weakref.ref(store)
+        del store
+        gc.collect()
+        assert gone() is None  # the skips still held here keep none of it
+
+        seen: list[int] = []
+
+        def theirs(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            seen.append(args[0])
+            return wrapped(*args, **kwargs)
+
+        other = toy_engine.KVStore()
+        later = Skips(other, ["offload"])
+        wrapt.wrap_function_wrapper(toy_engine.KVStore, "offload", theirs)  # another party's, over ours
+        later.set("offload", True)
+        assert other.offload(3) == 3 * 128 and seen == [3]
+    finally:
+        instrumentor.uninstrument()

@@ -5,6 +5,9 @@ per instrument, so an adapter that undercounts after a vLLM change says so."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -16,6 +19,14 @@ pytestmark = pytest.mark.vllm
 MISMATCH = "otel_hicache.engine.mismatch"
 
 
+@contextmanager
+def restored(owner: type, name: str, value: Any) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        setattr(owner, name, value)
+
+
 def test_a_run_the_adapter_reports_in_full_has_no_mismatch(instrumented: Sdk) -> None:
     engine = support.engine()
     support.run_workload(engine)
@@ -24,16 +35,17 @@ def test_a_run_the_adapter_reports_in_full_has_no_mismatch(instrumented: Sdk) ->
 
 
 def test_a_vllm_change_the_adapter_misses_is_counted_as_a_mismatch_with_one_warning(
-    instrumented: Sdk, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    instrumented: Sdk, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Simulated: a vLLM release that completes jobs without ``mark_completed`` (the adapter's hook sees no
     completion, so it reports no transfer) while vLLM still counts the bytes and time."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
-    unwrapped = vars(OffloadingWorkerMetadata)["mark_completed"].__wrapped__  # vLLM's own, without our hook
-    monkeypatch.setattr(OffloadingWorkerMetadata, "mark_completed", unwrapped)
-    engine = support.engine()
-    with caplog.at_level(logging.WARNING, logger="otel_hicache"):
+    ours = vars(OffloadingWorkerMetadata)["mark_completed"]
+    # ours goes back before the fixture uninstruments (a monkeypatch, undone after it, would leave it on the class)
+    with restored(OffloadingWorkerMetadata, "mark_completed", ours), caplog.at_level(logging.WARNING, "otel_hicache"):
+        OffloadingWorkerMetadata.mark_completed = ours.__wrapped__  # vLLM's own, without our hook
+        engine = support.engine()
         engine.store_together({"a": [0], "b": [1, 2]})  # one step: one hand-over to the scheduler
         assert engine.vllm_stats()["vllm:kv_offload_store_bytes"] > 0
         assert instrumented.spans("hicache.backup") == []

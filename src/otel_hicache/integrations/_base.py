@@ -238,12 +238,15 @@ class EngineInstrumentor(BaseInstrumentor):
         return self._sink
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        hooks, self._hooks = self._hooks, ()
-        for group in hooks:
-            group.detach()
         patch, self._patch = self._patch, None
         if patch is not None:
             patch.undo()
+        hooks, self._hooks = self._hooks, ()
+        for group in hooks:  # after the undo: no wrapper that starts now changes an engine object again
+            try:
+                group.detach()
+            except Exception:  # an engine thread changing what a group holds meanwhile: never raise out of here
+                _log.debug("otel_hicache: detaching %s failed", type(group).__name__, exc_info=True)
         self._flush()
 
     def _flush(self) -> None:

@@ -245,52 +245,56 @@ class Skips:
     """Which of our wrappers of its class's methods ``instance`` skips, each switched by one write to the instance's
     ``__dict__`` (method lookup finds it before the class's wrapper), for wrappers with nothing to do for a while or
     for good: the instance calls the engine's method directly (a wrapped call costs an engine's step ~10 us cold, a
-    skipped one a Python call). Only ``attributes`` whose class attribute is our wrapper, and that the instance does
-    not hold itself (another party's patch), are ever skipped; :meth:`end` (at ``uninstrument()``) skips none again.
+    skipped one a Python call). Only ``attributes`` whose class attribute is our wrapper (when the skip starts), and
+    that the instance does not hold itself (another party's patch), are ever skipped; :meth:`end` (at
+    ``uninstrument()``) skips none again. Holds ``instance`` weakly: the engine's object goes when the engine drops it.
     """
 
-    __slots__ = ("_direct", "_held")
+    __slots__ = ("_direct", "_instance")
 
     def __init__(self, instance: Any, attributes: Iterable[str]) -> None:
+        self._direct: dict[str, tuple[Any, _Direct]] = {}  # attribute -> (our wrapper, what skips it)
         held = getattr(instance, "__dict__", None)
-        self._held: dict[str, Any] = {} if held is None else held
-        self._direct: dict[str, _Direct] = {}
+        try:
+            self._instance = weakref.ref(instance)
+        except TypeError:  # no weak reference to be had: nothing is skipped
+            return
         if held is None:  # __slots__: nothing can be skipped
             return
         for attribute in attributes:
-            current = self._held.get(attribute)
+            current = held.get(attribute)
             if isinstance(current, _Direct):  # skipped under an earlier instrument(), never ended
-                del self._held[attribute]
+                del held[attribute]
             elif current is not None:
                 continue
-            direct = _direct(instance, attribute)
-            if direct is not None:
-                self._direct[attribute] = direct
+            wrapper = _class_attribute(instance, attribute)
+            if _is_ours(wrapper):
+                self._direct[attribute] = (wrapper, _Direct(wrapper.__wrapped__, instance))
 
     def set(self, attribute: str, skipped: bool) -> None:
-        direct = self._direct.get(attribute)
-        if direct is None:
+        entry = self._direct.get(attribute)
+        instance = None if entry is None else self._instance()
+        if entry is None or instance is None:
             return
-        current = self._held.get(attribute)
-        if skipped and current is None:
-            self._held[attribute] = direct
+        wrapper, direct = entry
+        held = vars(instance)
+        current = held.get(attribute)
+        if skipped and current is None and _class_attribute(instance, attribute) is wrapper:
+            held[attribute] = direct
         elif not skipped and current is direct:
-            del self._held[attribute]
+            del held[attribute]
 
     def end(self) -> None:
         for attribute in self._direct:
             self.set(attribute, False)
 
 
-def _direct(instance: Any, attribute: str) -> _Direct | None:
-    """What ``instance`` calls to skip our wrapper of its class's ``attribute``; None where that is not our wrapper."""
+def _class_attribute(instance: Any, attribute: str) -> Any:
+    """What ``instance``'s class holds as ``attribute`` (no descriptor called), None if nothing."""
     for klass in type(instance).__mro__:
         if attribute in vars(klass):
-            wrapper = vars(klass)[attribute]
-            break
-    else:
-        return None
-    return _Direct(wrapper.__wrapped__, instance) if _is_ours(wrapper) else None
+            return vars(klass)[attribute]
+    return None
 
 
 class _Direct:

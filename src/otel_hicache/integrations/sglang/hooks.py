@@ -110,9 +110,10 @@ class HiCacheHooks(EngineHooks):
         for queue in list(self._queues.values()):
             queue.detach()
         self._queues.clear()
-        for skips in list(self._skips.values()):
+        with self._lock:
+            skipping, self._skips = list(self._skips.values()), weakref.WeakKeyDictionary()
+        for skips in skipping:
             skips.end()
-        self._skips.clear()
         self._check.end()
         if self._prefill_queue is not None:
             self._prefill_queue.close()  # dropped by the telemetry once drained

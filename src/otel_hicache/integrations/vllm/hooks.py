@@ -41,7 +41,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from opentelemetry.trace import SpanContext, TraceFlags
@@ -239,21 +239,21 @@ class OffloadHooks(EngineHooks):
         """The first of a step's calls (vLLM makes it every step): submits the stores queued last step and those a
         preemption flushes, so their submission time is now. It notes the step's jobs from its metadata: the stores
         the step queues at its end (``prepare_store_kv``), submitted by the next step's call, and the loads that
-        ``start_kv_transfers`` submits (which stamps them). ``start_kv_transfers`` is skipped in a step with no load
-        and no store still queued, ``get_finished`` while none of our transfers is pending."""
+        ``start_kv_transfers`` submits (which stamps them). ``start_kv_transfers`` is skipped in a step with no load,
+        ``get_finished`` while none of our transfers is pending."""
         metadata = args[0] if args else kwargs["kv_connector_metadata"]
         state = self._connector(instance)
         if instance._unsubmitted_store_jobs:
-            _stamp(state, [job_id for job_id, *_ in instance._unsubmitted_store_jobs], now_ns())
+            _stamp(state, (job_id for job_id, *_ in instance._unsubmitted_store_jobs), now_ns())
         stores, loads = metadata.store_jobs, metadata.load_jobs
         if stores and instance._is_store_writer:
             self._note(state, TransferOperation.BACKUP, stores, 0, metadata)
             if metadata.jobs_to_flush:  # submitted by this call
-                _stamp(state, list(metadata.jobs_to_flush), now_ns())
+                _stamp(state, metadata.jobs_to_flush, now_ns())
         if loads:
             self._note(state, TransferOperation.LOAD_BACK, loads, 0, metadata)
         result = wrapped(*args, **kwargs)
-        skipping = (not (loads or instance._unsubmitted_store_jobs), not state.pending)
+        skipping = (not loads, not state.pending)
         if skipping != state.skipping:
             state.skipping = skipping
             state.skips.set("start_kv_transfers", skipping[0])
@@ -261,12 +261,12 @@ class OffloadHooks(EngineHooks):
         return result
 
     def start_kv_transfers(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """Submits the step's loads (and any store still queued): their submission time is now; and waits for its
-        sync loads (vLLM >= 0.33): the time it takes then is what each of their requests waited."""
+        """Submits the step's loads: their submission time is now; and waits for its sync loads (vLLM >= 0.33): the
+        time it takes then is what each of their requests waited."""
         metadata = args[0] if args else kwargs["metadata"]
         state = self._connector(instance)
         jobs = metadata.load_jobs
-        _stamp(state, [*(job_id for job_id, *_ in instance._unsubmitted_store_jobs), *jobs], now_ns())
+        _stamp(state, jobs, now_ns())
         synced = [job.req_id for job in jobs.values() if getattr(job, "sync", False)]
         if not synced:
             return wrapped(*args, **kwargs)
@@ -391,7 +391,7 @@ class OffloadHooks(EngineHooks):
         return result
 
 
-def _stamp(state: _Connector, job_ids: list[int], now: int) -> None:
+def _stamp(state: _Connector, job_ids: Iterable[int], now: int) -> None:
     """The jobs vLLM is about to submit: each noted one not yet stamped gets ``now`` as its submission time."""
     pending = state.pending
     for job_id in job_ids:
