@@ -13,6 +13,7 @@ import sys
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -166,58 +167,56 @@ def test_instrument_cycles_before_the_engine_is_imported_keep_no_old_telemetry_a
     assert [ref() is None for ref in old[:-1]] == [True, True]  # the instrumentor keeps only its last sink
 
 
-def test_an_object_skips_our_wrapper_while_told_and_never_loses_another_partys_patch_of_it(
-    toy_engine_path: Path, sdk: Sdk
-) -> None:
+@pytest.fixture
+def toy_instrumented(toy_engine_path: Path, sdk: Sdk) -> Iterator[ModuleType]:
+    """The toy engine, imported and instrumented to report into ``sdk``; uninstrumented afterwards."""
     toy_engine = importlib.import_module("toy_engine")
     instrumentor = ToyInstrumentor()
     instrumentor.instrument(telemetry=sdk.telemetry)
-    try:
-        skipping, patched = toy_engine.KVStore(), toy_engine.KVStore()
-        theirs = patched.offload = lambda tokens: tokens  # another party's patch of one object
-        skips, untouched = Skips(skipping, ["offload"]), Skips(patched, ["offload"])
-        skips.set("offload", True)
-        untouched.set("offload", True)
-        assert skipping.offload(8) == 8 * 128  # the engine's method, not reported
-        assert patched.offload(2) == 2 and patched.offload is theirs
-        skips.set("offload", False)
-        assert skipping.offload(16) == 16 * 128  # reported again
-        skips.set("offload", True)
-    finally:
-        skips.end()
-        instrumentor.uninstrument()
+    yield toy_engine
+    instrumentor.uninstrument()
+
+
+def test_an_object_skips_our_wrapper_while_told_and_never_loses_another_partys_patch_of_it(
+    toy_instrumented: ModuleType, sdk: Sdk
+) -> None:
+    skipping, patched = toy_instrumented.KVStore(), toy_instrumented.KVStore()
+    theirs = patched.offload = lambda tokens: tokens  # another party's patch of one object
+    skips, untouched = Skips(skipping, ["offload"]), Skips(patched, ["offload"])
+    skips.set("offload", True)
+    untouched.set("offload", True)
+    assert skipping.offload(8) == 8 * 128  # the engine's method, not reported
+    assert patched.offload(2) == 2 and patched.offload is theirs
+    skips.set("offload", False)
+    assert skipping.offload(16) == 16 * 128  # reported again
+    skips.set("offload", True)
+    skips.end()
     assert "offload" not in vars(skipping) and patched.offload is theirs
     assert backed_up(sdk)[("backup", "kv")] == 16  # the one call made while not skipped
 
 
 def test_skips_keep_no_engine_object_alive_and_never_skip_a_wrapper_put_over_ours_later(
-    toy_engine_path: Path, sdk: Sdk
+    toy_instrumented: ModuleType,
 ) -> None:
     import wrapt
 
-    toy_engine = importlib.import_module("toy_engine")
-    instrumentor = ToyInstrumentor()
-    instrumentor.instrument(telemetry=sdk.telemetry)
-    try:
-        store = toy_engine.KVStore()
-        store.again = store.offload  # a bound method of its own in its __dict__, as SGLang's controllers hold
-        skips = Skips(store, ["offload"])
-        skips.set("offload", True)
-        gone = weakref.ref(store)
-        del store
-        gc.collect()
-        assert gone() is None  # the skips still held here keep none of it
+    store = toy_instrumented.KVStore()
+    store.again = store.offload  # a bound method of its own in its __dict__, as SGLang's controllers hold
+    skips = Skips(store, ["offload"])
+    skips.set("offload", True)
+    gone = weakref.ref(store)
+    del store
+    gc.collect()
+    assert gone() is None  # the skips still held here keep none of it
 
-        seen: list[int] = []
+    seen: list[int] = []
 
-        def theirs(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            seen.append(args[0])
-            return wrapped(*args, **kwargs)
+    def theirs(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        seen.append(args[0])
+        return wrapped(*args, **kwargs)
 
-        other = toy_engine.KVStore()
-        later = Skips(other, ["offload"])
-        wrapt.wrap_function_wrapper(toy_engine.KVStore, "offload", theirs)  # another party's, over ours
-        later.set("offload", True)
-        assert other.offload(3) == 3 * 128 and seen == [3]
-    finally:
-        instrumentor.uninstrument()
+    other = toy_instrumented.KVStore()
+    later = Skips(other, ["offload"])
+    wrapt.wrap_function_wrapper(toy_instrumented.KVStore, "offload", theirs)  # another party's, over ours
+    later.set("offload", True)
+    assert other.offload(3) == 3 * 128 and seen == [3]
