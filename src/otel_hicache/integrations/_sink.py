@@ -16,6 +16,7 @@ from opentelemetry import metrics, trace
 from otel_hicache import semconv as sc
 from otel_hicache.capacity import CapacityFeed
 from otel_hicache.integrations._once import warn_once
+from otel_hicache.integrations._patching import Skips
 from otel_hicache.records import PoolUsage
 from otel_hicache.telemetry import DeferredQueue, HiCacheTelemetry
 
@@ -169,11 +170,25 @@ class EngineHooks:
     def __init__(self, sink: ProcessSink, ranks: Callable[..., Ranks] | None = None) -> None:
         self.sink = sink
         self._ranks = ranks
+        # the engine's objects that skip some of these hooks (Skips), each made once; detach() ends them
+        self._skipping: weakref.WeakKeyDictionary[Any, Skips] = weakref.WeakKeyDictionary()
+        self._skipping_lock = threading.Lock()
 
     @property
     def telemetry(self) -> HiCacheTelemetry | None:
         """The process's telemetry, once built."""
         return self.sink.telemetry
+
+    def _skips(self, instance: Any, attributes: Iterable[str]) -> Skips:
+        """``instance``'s :class:`Skips` of our wrappers of ``attributes`` (made at the first call); :meth:`detach`
+        ends it."""
+        skips = self._skipping.get(instance)
+        if skips is None:
+            with self._skipping_lock:
+                skips = self._skipping.get(instance)
+                if skips is None:
+                    skips = self._skipping[instance] = Skips(instance, attributes)
+        return skips
 
     def _sink(self, *at: Any) -> HiCacheTelemetry | None:
         """The process's telemetry, built now (with ``ranks(*at)``) if this is its first event; ``None`` when this
@@ -182,7 +197,12 @@ class EngineHooks:
         return self.sink.get(None if ranks is None else lambda: ranks(*at))
 
     def detach(self) -> None:
-        """``uninstrument()``: undo what the hooks changed on the engine's objects (none by default)."""
+        """``uninstrument()``: undo what the hooks changed on the engine's objects: every object calls our wrappers
+        again."""
+        with self._skipping_lock:
+            skipping, self._skipping = list(self._skipping.values()), weakref.WeakKeyDictionary()
+        for skips in skipping:
+            skips.end()
 
     def _patient(
         self, kind: sc.RecordKind, build: Callable[[HiCacheTelemetry, list[tuple[Any, ...]]], None], *at: Any

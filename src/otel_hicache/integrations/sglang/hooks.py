@@ -23,7 +23,6 @@ from otel_hicache.integrations._base import (
     EngineHooks,
     ProcessSink,
     Ranks,
-    Skips,
     WeakPoolSource,
     checks_suppression,
     trim,
@@ -86,8 +85,6 @@ class HiCacheHooks(EngineHooks):
         self._evictions = Evictions()  # the eviction passes running on this thread, innermost last
         self._clock = AccessClock()  # SGLang's access counter -> time, for the age of evicted nodes
         self._check = SelfCheck()  # against SGLang's own collector
-        # controllers whose submissions skip our wrappers (their queues adopted), each with its Skips
-        self._skips: weakref.WeakKeyDictionary[Any, Skips] = weakref.WeakKeyDictionary()
 
     def _links(self, controller: Any) -> dict[str, Links]:
         """``controller``'s request links, per direction (a load-back's request is never linked to a backup)."""
@@ -110,10 +107,7 @@ class HiCacheHooks(EngineHooks):
         for queue in list(self._queues.values()):
             queue.detach()
         self._queues.clear()
-        with self._lock:
-            skipping, self._skips = list(self._skips.values()), weakref.WeakKeyDictionary()
-        for skips in skipping:
-            skips.end()
+        super().detach()
         self._check.end()
         if self._prefill_queue is not None:
             self._prefill_queue.close()  # dropped by the telemetry once drained
@@ -132,11 +126,7 @@ class HiCacheHooks(EngineHooks):
         later submissions of that direction skip this wrapper. Adopted under suppression too: the ack appended there
         is then known as not to be reported."""
         if self._queue(cc, direction) is not None:
-            with self._lock:
-                skips = self._skips.get(cc)
-                if skips is None:
-                    skips = self._skips[cc] = Skips(cc, _SUBMIT.values())
-            skips.set(_SUBMIT[direction], True)
+            self._skips(cc, _SUBMIT.values()).set(_SUBMIT[direction], True)
         return wrapped(*args, **kwargs)
 
     def _queue(self, cc: Any, direction: str) -> AckQueue | None:

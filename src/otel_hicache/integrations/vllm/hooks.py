@@ -203,23 +203,16 @@ class OffloadHooks(EngineHooks):
         super().__init__(sink, ranks)
         self._attr = f"_otel_hicache_jobs_{id(self):x}"
         self._finishing = threading.local()  # the events of the get_finished call running on this thread
-        self._connectors: weakref.WeakSet[_Connector] = weakref.WeakSet()  # whose skips uninstrument() ends
 
     def _connector(self, worker: Any) -> _Connector:
         state = getattr(worker, self._attr, None)
         if state is None:
             spec = worker.spec
-            state = _Connector(self._sink(spec), _groups(spec, worker.kv_cache_config), Skips(worker, _SKIPPABLE))
+            state = _Connector(self._sink(spec), _groups(spec, worker.kv_cache_config), self._skips(worker, _SKIPPABLE))
             setattr(worker, self._attr, state)
-            self._connectors.add(state)
             if state.sink is not None:
                 state.sink.add_engine_check(_TransferCheck(state, state.sink))
         return state
-
-    def detach(self) -> None:
-        """``uninstrument()``: every worker calls its connector's methods through the class again."""
-        for state in list(self._connectors):
-            state.skips.end()
 
     # ------------------------------------------------------------------ start: OffloadingConnectorWorker
     def register_kv_caches(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from itertools import chain
 from typing import Any, NamedTuple
@@ -53,7 +52,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import TraceFlags
 
 from otel_hicache import semconv as sc
-from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, Skips, warn_once
+from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks, warn_once
 from otel_hicache.integrations.vllm.semconv import LINKS, SYNC_WAITS
 from otel_hicache.records import KvWait
 from otel_hicache.telemetry import HiCacheTelemetry
@@ -105,8 +104,6 @@ class RequestHooks(EngineHooks):
         self._span = threading.local()  # in the frontend: the payload of the request span being created
         self._ids: _RequestIds | None = None
         self._traced = False  # in the scheduler: a request with a request span was admitted (vLLM's tracing is on)
-        # connectors that skip build_connector_meta meanwhile
-        self._untraced: weakref.WeakKeyDictionary[Any, Skips] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ scheduler (engine core)
     def add_request(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -115,7 +112,7 @@ class RequestHooks(EngineHooks):
         if instance.observability_config.otlp_traces_endpoint is not None:
             if not self._traced:
                 self._traced = True
-                self.detach()  # build_connector_meta links jobs to request spans from now on
+                self.detach()  # every connector's build_connector_meta links jobs to request spans from now on
             setattr(request, _STATE, _Request(_identity(request.trace_headers)))
             _publish(request)
         return wrapped(*args, **kwargs)
@@ -173,13 +170,6 @@ class RequestHooks(EngineHooks):
             modes = zip(sc.PrefillMode, row, strict=True)  # the row's order
             state.attributes.update({f"{sc.ATTR_PREFIX_TOKENS}.{mode.value}": n for mode, n in modes})
 
-    def detach(self) -> None:
-        """Every connector calls its ``build_connector_meta`` through the class again (``uninstrument()``, or the
-        first traced request)."""
-        for skips in list(self._untraced.values()):
-            skips.end()
-        self._untraced.clear()
-
     def update_waiting_for_remote_kv(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
     ) -> Any:
@@ -221,9 +211,7 @@ class RequestHooks(EngineHooks):
         context, for the worker's transfer span to link to."""
         meta = wrapped(*args, **kwargs)
         if not self._traced:  # vLLM's tracing is off: no request span to link to, the connector's steps skip this
-            if instance not in self._untraced:
-                skips = self._untraced[instance] = Skips(instance, ("build_connector_meta",))
-                skips.set("build_connector_meta", True)
+            self._skips(instance, ("build_connector_meta",)).set("build_connector_meta", True)
             return meta
         links = {}
         requests = instance._req_status
