@@ -10,14 +10,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from otel_hicache._internal.host.worker import HOST_THREAD_NAME
+from otel_hicache._internal.host.worker import HOST_THREAD_NAME, PAUSE_S
 
 
 class RoundTimer:
     """Times each round of the telemetry's host thread from the holder's side: a round starts when the thread has
-    the GIL back (its wait, pause or letting go of the GIL returned) and ends when it lets go or pauses. Its CPU time
-    is the work it did holding the GIL (collections it triggered included, and timed apart: a collection runs on
-    whichever thread's allocation crosses the threshold); its wall time adds any time the OS preempted it meanwhile."""
+    the GIL back (its wait or pause returned) and ends when it pauses. Its CPU time is the work it did holding the
+    GIL (collections it triggered included, and timed apart: a collection runs on whichever thread's allocation
+    crosses the threshold); its wall time adds any time the OS preempted it meanwhile."""
 
     def __init__(self, telemetry: Any, builds: bool = False) -> None:
         self.rounds: list[tuple[int, int, int]] = []  # (CPU, wall, CPU in collections)
@@ -72,15 +72,10 @@ class RoundTimer:
         gc.callbacks.remove(self._on_collection)
 
 
-#: How long the thread of :func:`wake_cpu_ns` sleeps each time: a timer wake, as the host thread's tick is.
-WAKE_PROBE_S = 0.001
-
-
-def wake_cpu_ns(pause_s: float = WAKE_PROBE_S, wakes: int = 300) -> float:
+def wake_cpu_ns(pause_s: float = PAUSE_S, wakes: int = 300) -> float:
     """The CPU one thread is charged per ``time.sleep(pause_s)`` here, the process otherwise idle: the kernel's part
-    of a wake (timer, switch in and out), before the thread does anything. The host thread pays it once per tick
-    that finds work (and the wait for the GIL after it, or after it let go between two rounds, when another thread
-    holds it, once more)."""
+    of a wake (timer, switch in and out), before the thread does anything. The host thread pays it once per round
+    (and the wait for the GIL after it, when another thread holds it, once more)."""
     spent: list[float] = []
 
     def sleeper() -> None:

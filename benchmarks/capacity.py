@@ -208,6 +208,6 @@ def run(params: Params, command: str) -> Table:
         f"{params.wake_seconds:g} s per phase, {ADMISSIONS_PER_S} admissions a second of 64 prompts (block hashes "
         "given); wakes = the host thread's voluntary context switches (each takes the host's GIL), CPU = its "
         f"schedstat time. The thread looks for lookups every {PATIENT_TICK_S:g} s here (PATIENT_TICK_S), every "
-        f"{DEFERRED_TICK_S * 1e3:g} ms once deferred records come, and lets go of the GIL after each 50 us slice."
+        f"{DEFERRED_TICK_S * 1e3:g} ms once deferred records come, and pauses 1 ms after each 50 us slice."
     )
     return table

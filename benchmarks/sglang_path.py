@@ -516,7 +516,7 @@ def _table(
     wake_floor: float,
     builds: dict[str, tuple[list[int], list[int]]],
 ) -> Table:
-    from benchmarks._rounds import WAKE_PROBE_S
+    from otel_hicache._internal.host.worker import PAUSE_S
 
     table = Table(
         key="sglang",
@@ -678,10 +678,10 @@ def _table(
         "paths, so the steadiest figure of what the host thread builds (records, capacity lookups, prefill splits). "
         "Host-thread rounds/transfer: how many rounds that thread ran over the block and flush (each round timed "
         "from the holder's side, benchmarks._rounds.RoundTimer), per transfer; 'between rounds' = its CPU outside "
-        "them: waking from each tick, letting go of the GIL between two rounds and waiting for it after (the kernel's "
-        "part, and the loop's few lines). The floor of one wake on this machine, same run: a thread sleeping "
-        f"{WAKE_PROBE_S * 1e3:g} ms in a loop, the process otherwise idle, is charged {wake_floor / 1e3:.1f} us of "
-        "CPU per sleep. The round timing reads two clocks per round, inside the host thread's figure. "
+        "them: waking from each pause or tick and waiting for the GIL after it (the kernel's part, and the loop's "
+        f"few lines). The floor of one wake on this machine, same run: a thread sleeping {PAUSE_S * 1e3:g} ms in a "
+        f"loop, the process otherwise idle, is charged {wake_floor / 1e3:.1f} us of CPU per sleep. The round timing "
+        "reads two clocks per round, inside the host thread's figure. "
         + (
             "With --time-builds, each record the host thread builds timed on it (a batched queue's build: its batch; "
             "thread CPU, two clock reads more per build, in its figure too; every placement and pattern), median for "

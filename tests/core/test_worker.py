@@ -130,41 +130,6 @@ def spend_a_slice(entry: tuple[int, int]) -> TransferRecord:
     return backup(entry[1])
 
 
-def test_work_left_after_a_round_is_built_in_the_next_round_at_once_the_thread_only_letting_go_of_the_gil(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Deferred records that outlast a round are built round after round with no pause between: a pause is a timer
-    wake, and the round after it starts with its code and data cold. Between two rounds the host thread lets go of
-    the GIL, so a scheduler thread waiting for it takes it then."""
-    entries = 20
-    let_go: list[str] = []
-    slept: list[float] = []
-    real_let_go, real_sleep = worker_module._let_go, time.sleep
-
-    def counted_let_go() -> None:
-        let_go.append(threading.current_thread().name)
-        real_let_go()
-
-    def counted_sleep(seconds: float) -> None:
-        if threading.current_thread().name == HOST_THREAD_NAME:
-            slept.append(seconds)
-        real_sleep(seconds)
-
-    monkeypatch.setattr(worker_module, "_let_go", counted_let_go)
-    monkeypatch.setattr(time, "sleep", counted_sleep)
-    worker, tally = make(max_queue=10 * entries)  # no backlog: it pauses between its longer rounds
-    try:
-        queue = worker.new_queue(spend_a_slice)
-        for tokens in range(1, entries + 1):
-            queue.put((next(queue.seq), tokens))
-        assert worker.settle(10)  # at the thread's own pace
-        assert kv_tokens(tally) == sum(range(1, entries + 1))
-        assert slept == []
-        assert let_go.count(HOST_THREAD_NAME) >= entries - 1
-    finally:
-        worker.close(2)
-
-
 #: With SLOW_PAUSE_S after each round of one build, these entries take the host thread 10 s at its own pace.
 SLOW_PAUSE_S = 0.1
 ENTRIES = 100

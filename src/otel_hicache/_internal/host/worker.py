@@ -5,19 +5,18 @@ engine check; over OTLP by the constructor). Each round (:meth:`HostWorker.work`
 
 * reads the pool-usage sources and runs the engine checks about once a second (:data:`POOL_INTERVAL_S`);
 * builds deferred records, each queue oldest first, for the rest of a slice of :data:`SLICE_NS`
-  (:data:`BACKLOG_SLICE_NS` with a backlog); if more waits, it lets go of the GIL and starts the next round at once
-  (:data:`PAUSE_S`: no pause), or with a backlog pauses :data:`BACKLOG_PAUSE_S`;
+  (:data:`BACKLOG_SLICE_NS` with a backlog), then pauses :data:`PAUSE_S` if more waits (:data:`BACKLOG_PAUSE_S`);
 * tends the consumer about once a second (:data:`TEND_INTERVAL_S`): moves the counters into shared memory once it can
   be had, relays the export process's log lines, replaces an exporter that died;
 * in-process, turns the ring's records into spans and points in slices, at least every flush interval.
 
 It ticks every :data:`DEFERRED_TICK_S` while it has deferred records to build, and always in-process, where it drains
 the ring; every :data:`PATIENT_TICK_S` for patient queues alone (capacity lookups, and counts read only at collection:
-vLLM's engine core); else every :data:`TEND_INTERVAL_S` (pool sources alone need no faster tick). Between two rounds
-of one tick's work it lets go of the GIL, so a scheduler thread waiting for it takes it at once. Reads of the counters
-wait (bounded) for what is queued to be built (:meth:`HostWorker.settle`); while a flush or a shutdown waits, the thread
-builds without the backlog's pauses too: the waiting thread needs nothing else, and every pause costs a wake.
-``fork``: the child starts from zero as its own process (its own table, ring, thread and exporter); the parent
+vLLM's engine core); else every :data:`TEND_INTERVAL_S` (pool sources alone need no faster tick). It pauses
+:data:`PAUSE_S` after a busy round, so the scheduler thread gets the GIL back. Reads of the counters wait (bounded) for
+what is queued to be built (:meth:`HostWorker.settle`); while a flush or a shutdown waits, the thread builds without
+pausing between its slices (it only lets go of the GIL): the waiting thread needs nothing else, and every pause costs a
+wake. ``fork``: the child starts from zero as its own process (its own table, ring, thread and exporter); the parent
 stays exact; no lock is inherited held. What cannot be had (a thread, shared memory) never raises into the caller: it is
 logged once and tried again.
 """
@@ -43,15 +42,17 @@ from otel_hicache.capacity import CapacityFeed
 from otel_hicache.records import PoolUsage, TransferRecord
 from otel_hicache.semconv import CAPACITY_FACTORS, Problem, RecordKind
 
-#: How long a host thread works before it lets go of the GIL so a waiting scheduler thread can take it (the record in
-#: hand is finished first): no round holds the GIL for more than 200 us (``benchmarks loop``).
+#: How long a host thread works before pausing so the scheduler thread can take the GIL (the record in hand is
+#: finished first): no round holds the GIL for more than 200 us (``benchmarks loop``).
 SLICE_NS = 50_000
-#: The pause after a round that left work waiting: none. The thread only lets go of the GIL (``sched_yield``): a
-#: scheduler thread waiting for it takes it, and otherwise the next round starts at once, its caches still warm. A timed
-#: pause cost more: each was a timer wake, and each round after one found its code and data cold, so a tick's work
-#: paid a wake and a cold start per 50 us slice. On SGLang's real path, letting go instead of pausing 1 ms halved what
-#: the host thread costs (``benchmarks sglang``: its own CPU per transfer, and the scheduler thread's whole added cost).
-PAUSE_S = 0.0
+#: The pause after a busy round: the scheduler thread runs undisturbed at least this long. Every round costs the
+#: scheduler thread beyond the round itself (a hand-over of the GIL, caches it finds cold), so fewer rounds cost it
+#: less: on SGLang's real path, 1 ms pauses cost its scheduler thread about half what 0.2 ms pauses did per transfer
+#: (``benchmarks sglang``). No pause at all (only letting go of the GIL between slices, as a flush does) halved the
+#: host thread's CPU there, but a tick's work then ran as one burst that a waiting scheduler thread kept losing the GIL
+#: to (it wakes after the holder has taken the GIL back): ``benchmarks loop`` read the step p99 +43 % at 1,000
+#: transfers/s against +2 to +3 %. A 0.1 ms pause kept half of that (+10 %) for little of the CPU gain.
+PAUSE_S = 0.001
 #: Deferred records waiting, as a share of ``max_queue``, past which a round works BACKLOG_SLICE_NS and pauses
 #: BACKLOG_PAUSE_S: a scheduler thread that seldom releases the GIL hands it over once per switch interval (5 ms), and
 #: shedding is worse than longer, more frequent rounds.
@@ -236,8 +237,7 @@ class HostWorker:
     def work(self, state: dict[str, float]) -> float | None:
         """One round of the host thread: builds deferred records, reads pool sources, and (in-process) emits spans,
         each in slices of at most SLICE_NS (BACKLOG_SLICE_NS with a backlog). When more is waiting, how long the
-        thread pauses before it comes back (PAUSE_S: none, it only lets go of the GIL; BACKLOG_PAUSE_S with a backlog);
-        else None."""
+        thread pauses before it comes back (PAUSE_S, BACKLOG_PAUSE_S with a backlog); else None."""
         started = time.perf_counter_ns()
         busy = False
         now = time.monotonic()
@@ -251,7 +251,7 @@ class HostWorker:
         slice_ns, pause_s = (BACKLOG_SLICE_NS, BACKLOG_PAUSE_S) if backlog else (SLICE_NS, PAUSE_S)
         # the once-a-second work above is part of this round's slice: a round stays within it
         more = self._build_deferred(started + slice_ns - time.perf_counter_ns())
-        if self._hurried:  # a flush waits: no backlog pauses between slices, and say when all is built
+        if self._hurried:  # a flush waits: only let go of the GIL between slices, and say when all is built
             pause_s = 0.0
             if not more:
                 self._drained.set()
@@ -519,14 +519,14 @@ def _build_deferred_call(entry: tuple[int, Callable[[Any], TransferRecord | None
 
 
 def _run(ref: weakref.ref[HostWorker], wake: threading.Event) -> None:
-    """The host thread's loop; after a round that left work waiting it lets go of the GIL (or pauses as long as the
-    round says) so the scheduler thread gets it back."""
+    """The host thread's loop; it pauses after a busy round (as long as the round says) so the scheduler thread gets
+    the GIL back."""
     state = {"pools": 0.0, "drain": 0.0, "tend": 0.0}
     tick, pause = DEFERRED_TICK_S, None
     while True:
         if pause:
             time.sleep(pause)
-        elif pause is not None:  # only let go of the GIL (time.sleep(0) would cost a wake as well)
+        elif pause is not None:  # a flush waits: only let go of the GIL (time.sleep(0) would cost a wake as well)
             _let_go()
         else:
             wake.wait(tick)
