@@ -1,6 +1,7 @@
 """The telemetry's host thread as the benchmarks see it: each of its rounds timed from the holder's side (and, asked
 for, each record it builds, first in its round or later: a round's first record finds the caches cold), and what
-one wake of a thread costs this machine before any work (the host thread wakes once per round)."""
+one wake of a thread costs this machine before any work (the host thread wakes once per round), and a control thread
+that keeps the host thread's schedule with no work of ours."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from otel_hicache._internal.host.worker import HOST_THREAD_NAME, PAUSE_S
+from otel_hicache._internal.host.worker import HOST_THREAD_NAME, PAUSE_S, SLICE_NS
 
 
 class RoundTimer:
@@ -88,3 +89,34 @@ def wake_cpu_ns(pause_s: float = PAUSE_S, wakes: int = 300) -> float:
     thread.start()
     thread.join()
     return spent[0]
+
+
+class ScheduleControl:
+    """A thread on the schedule the host thread keeps while work waits - it holds the GIL for a slice
+    (:data:`SLICE_NS`, spinning: no work), then sleeps :data:`PAUSE_S` - and nothing else: what the wakes and GIL
+    hand-overs of that schedule alone cost the threads beside it on this machine. Started per measured block."""
+
+    def __init__(self) -> None:
+        self.rounds = 0  # slices held so far, over every block
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="bench-schedule-control", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        clock, stop = time.perf_counter_ns, self._stop
+        while not stop.is_set():
+            end = clock() + SLICE_NS
+            while clock() < end:
+                pass
+            self.rounds += 1
+            time.sleep(PAUSE_S)

@@ -135,7 +135,7 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
     patterns = ("writing_check(finish_count=n)", "writing_check()")
     placements = {key.split("/")[0] for key in data["goals"]}
     assert "unpinned" in placements and placements <= {"unpinned", "pinned"}
-    assert len(table["rows"]) == 4 * len(patterns) * len(placements)
+    assert len(table["rows"]) == 5 * len(patterns) * len(placements)
     # both goals are judged for every placement and call pattern (met or not: no timing is asserted)
     assert set(data["goals"]) == {f"{where}/{pattern}" for where in placements for pattern in patterns}
     assert all(set(goals) == {"submission_consumption", "whole", "host_cpu"} for goals in data["goals"].values())
@@ -159,6 +159,18 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
                 assert _sane(values["host_thread_cpu"]) and values["host_thread_cpu"] > 0, name
                 assert values["host_thread_rounds"] > 0, name  # its rounds, counted from the holder's side
                 assert _sane(values["left_for_flush"]), name  # what it had not built when the block ended
+    # the control thread keeps our host thread's schedule in its own blocks: its price per round, set beside ours
+    control = "control: our host thread's schedule alone"
+    assert all(data[f"{key}/{control}"]["host_thread_step_rounds"] > 0 for key in data["goals"])
+    assert set(data["control"]) == set(data["goals"])
+    for key, price in data["control"].items():
+        ours = data[f"{key}/otel_hicache instrumentor, OTLP"]
+        for part in ("paired", "whole", "host_cpu"):
+            assert math.isfinite(price[f"{part}_per_round"]), (key, part)  # a difference: may read below 0
+            share = price[f"{part}_per_round"] * ours["host_thread_step_rounds"]
+            assert math.isclose(price[f"{part}_share"], share, rel_tol=1e-9), (key, part)
+            assert math.isclose(price[f"{part}_rest"] + share, ours[f"{part}_added"], rel_tol=1e-9, abs_tol=1e-6)
+    assert len([note for note in table["notes"] if note.startswith("Control, ")]) == len(data["goals"])
     # one wake of an idle thread costs some CPU; with --time-builds every kind of record the host thread builds is
     # timed on it
     assert data["wake_floor_ns"] > 0
