@@ -31,7 +31,10 @@ block):
 * otel_hicache: ``SGLangHiCacheInstrumentor().instrument(telemetry=...)`` (spans on; OTLP to a child process);
 * control: uninstrumented, beside a thread that keeps the schedule our host thread keeps while work waits (a slice
   holding the GIL, then a pause) and does nothing else (:class:`benchmarks._rounds.ScheduleControl`): what that
-  schedule's wakes and GIL hand-overs alone cost the scheduler thread on this machine, per round.
+  schedule's wakes and GIL hand-overs alone cost the scheduler thread on this machine, per round;
+* floor: each of our hooks writes its raw record into shared memory itself, and nothing of ours runs on another
+  thread (:mod:`benchmarks._sglang_floor`, a measuring device, not the product): the least any design that keeps these
+  hooks and moves everything else out of the host process could cost the scheduler thread.
 
 CPU shims and the cache builder: :mod:`otel_hicache.testing.sglang` (the SGLang tests use the same). On CPU,
 ``torch.cpu.Event`` cannot time, so SGLang's acks carry ``timing_enabled=False`` and no duration is observed on any
@@ -135,6 +138,7 @@ PINNED = "pinned"
 PROMETHEUS = "prometheus_client (SGLang --enable-metrics)"
 OURS = "otel_hicache instrumentor, OTLP"
 CONTROL = "control: our host thread's schedule alone"
+FLOOR = "floor: our hooks' raw records to shared memory, no host thread"
 
 
 @dataclass
@@ -162,7 +166,7 @@ class _Stats:
 class _Path:
     name: str
     setup: Any  # callable(cache) before a block
-    admitted: Any = None  # callable(adder) after an admission: the path's own prefill metrics
+    admitted: Any = None  # callable(stats, adder) after an admission: the path's own prefill metrics
     flush: Any = None  # exports what the block reported (its CPU is the host's)
     teardown: Any = None
     stats: dict[tuple[str, str], _Stats] = field(default_factory=dict)  # (placement, pattern) -> stats
@@ -270,6 +274,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
     from benchmarks._collector import CollectorProcess
     from benchmarks._common import flush_cpu_ns
     from benchmarks._rounds import RoundTimer, ScheduleControl, wake_cpu_ns
+    from benchmarks._sglang_floor import RawRecords
     from benchmarks.ackpath import NaiveOtelReporter
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
     from otel_hicache.sdk import configure
@@ -286,11 +291,13 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
     naive = NaiveOtelReporter(otlp.tracer_provider, otlp.meter_provider)
     instrumentor = SGLangHiCacheInstrumentor()
     control = ScheduleControl()
+    page_tokens = 16
+    floor = RawRecords(page_tokens)
 
     def set_prom(cache: Any) -> None:
         cache.metrics_collector = prom
 
-    def prom_admitted(stats: Any) -> None:  # what --enable-metrics adds for these series, per prefill batch
+    def prom_admitted(stats: Any, adder: Any) -> None:  # what --enable-metrics adds for these series, per batch
         if not prom_scheduler:
             prom_scheduler.append(
                 SchedulerMetricsCollector(
@@ -325,6 +332,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
         _Path("naive OTel SDK, OTLP", set_naive, None, otlp.force_flush),
         _Path(OURS, set_hicache, None, otlp.force_flush, instrumentor.uninstrument),
         _Path(CONTROL, lambda cache: control.start(), teardown=control.stop),
+        _Path(FLOOR, floor.adopt, floor.admitted),
     ]
     kv_size = 2 * params.batches_per_block * params.batch * (params.seq_tokens + 16)
     seq = [0]
@@ -333,7 +341,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
         placement.apply(where)
         gc.collect()  # the last block's cache goes now, outside the measurement
         # before instrument(): init_hicache is wrapped too
-        cache, allocator, _ = build_hicache("write_through", kv_size=kv_size, page_size=16)
+        cache, allocator, _ = build_hicache("write_through", kv_size=kv_size, page_size=page_tokens)
         path.setup(cache)
         stats = path.of(where, pattern)
         cc = cache.cache_controller
@@ -375,7 +383,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
                     added = adder.add_one_req(req, False, None)
                     prefill = PrefillStats.from_adder(adder, running_reqs=[])  # the batch stats, metrics on or off
                     if path.admitted is not None:
-                        path.admitted(prefill)
+                        path.admitted(prefill, adder)
                     c6 = clock()
                     stats.admitted += added is AddReqResult.CONTINUE
                     submit, checked, empty = submit + c1 - c0, checked + c3 - c2, empty + c4 - c3
@@ -449,6 +457,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
         ),
         "prometheus_client backup tokens == tokens backed up": prom_tokens == tokens(PROMETHEUS),
         "otel_hicache backup tokens == tokens backed up": ours == tokens(OURS),
+        "the floor wrote one record per ack consumed": floor.acks == sum(s.acks for s in by[FLOOR].stats.values()),
     }
     return _table(paths, params, checks, command, placement, wake_floor, timer.builds)
 
@@ -678,6 +687,14 @@ def _table(
                 f"{schedule['whole_rest'] / 1e3:+.1f} us ({_ratio(schedule['whole_rest'], prom_whole):.2f}x) / "
                 f"{schedule['host_cpu_rest'] / 1e3:+.1f} us (against {prom_host / 1e3:+.1f} us)."
             )
+            lowest = table.data[f"{where}/{pattern}/{FLOOR}"]
+            table.notes.append(
+                f"Floor, {where}, {pattern}: our hooks writing raw records to shared memory, no host thread: "
+                f"submission + consumption {lowest['paired_added'] / 1e3:+.1f} us ({lowest['ratio_paired']:.2f}x "
+                f"prometheus_client's), whole {lowest['whole_added'] / 1e3:+.1f} us ({lowest['ratio_whole']:.2f}x), "
+                f"host-process CPU {lowest['host_cpu_added'] / 1e3:+.1f} us per transfer (prometheus_client's "
+                f"{prom_host / 1e3:+.1f} us)."
+            )
     table.data["goals"] = goals
     table.data["resolved"] = resolved
     table.data["export_process_found"] = placement.export_pid is not None
@@ -758,5 +775,11 @@ def _table(
         "work in the slices; its notes divide it by the control's rounds (its host CPU less the slices it spun) and "
         "multiply it by our host thread's rounds among the steps (not the flush's: those run back to back while "
         "nothing else runs). The goals are judged on ours as it is, never less the control.",
+        "Floor: each of our hooks writes its raw record into an anonymous shared mapping itself (the ack as it is "
+        "consumed, noted as it is appended; the prefill batch's split; each admitted request's page hashes, every "
+        "page sampled) and nothing of ours runs on another thread (benchmarks._sglang_floor): the least a design "
+        "that keeps these hooks and builds, counts and exports in another process could cost. A measuring device, "
+        "not the product: no record is read back, and it leaves out the wrapper's own price (PrefillStats.from_adder "
+        "is called directly) and what a GPU adds (an ack's copy time read from its events).",
     ]
     return table

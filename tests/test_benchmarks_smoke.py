@@ -135,7 +135,7 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
     patterns = ("writing_check(finish_count=n)", "writing_check()")
     placements = {key.split("/")[0] for key in data["goals"]}
     assert "unpinned" in placements and placements <= {"unpinned", "pinned"}
-    assert len(table["rows"]) == 5 * len(patterns) * len(placements)
+    assert len(table["rows"]) == 6 * len(patterns) * len(placements)
     # both goals are judged for every placement and call pattern (met or not: no timing is asserted)
     assert set(data["goals"]) == {f"{where}/{pattern}" for where in placements for pattern in patterns}
     assert all(set(goals) == {"submission_consumption", "whole", "host_cpu"} for goals in data["goals"].values())
@@ -171,6 +171,10 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
             assert math.isclose(price[f"{part}_share"], share, rel_tol=1e-9), (key, part)
             assert math.isclose(price[f"{part}_rest"] + share, ours[f"{part}_added"], rel_tol=1e-9, abs_tol=1e-6)
     assert len([note for note in table["notes"] if note.startswith("Control, ")]) == len(data["goals"])
+    # the floor (our hooks' raw records alone, no host thread) is measured in every placement and pattern
+    floor = "floor: our hooks' raw records to shared memory, no host thread"
+    assert all(_sane(data[f"{key}/{floor}"]["check_p50"]) for key in data["goals"])
+    assert len([note for note in table["notes"] if note.startswith("Floor, ")]) == len(data["goals"])
     # one wake of an idle thread costs some CPU; with --time-builds every kind of record the host thread builds is
     # timed on it
     assert data["wake_floor_ns"] > 0
