@@ -347,7 +347,9 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
         cc = cache.cache_controller
         clock, check = time.thread_time_ns, cache.writing_check
         e0, r0, p0 = _cpu_ns(placement.export_pid), _cpu_ns(placement.receiver_pid), time.process_time_ns()
-        t0, first_round, first_control = _host_thread_cpu_ns(), len(timer.rounds), control.rounds
+        # the rounds of the path's thread so far: the control's, else our host thread's (timed by the RoundTimer)
+        thread_rounds = (lambda: control.rounds) if path.name == CONTROL else (lambda: len(timer.rounds))
+        t0, first_round, first_thread_round = _host_thread_cpu_ns(), len(timer.rounds), thread_rounds()
         acks, first_batch = 0, len(stats.check_ns)
         try:
             for _ in range(params.batches_per_block):
@@ -397,7 +399,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
                     stats.admit_ns.append(admit / params.batch)
                 stats.tokens += params.batch * params.seq_tokens
             unbuilt = otlp.telemetry._host.waiting()  # what the flush builds
-            step_rounds = control.rounds - first_control if path.name == CONTROL else len(timer.rounds) - first_round
+            step_rounds = thread_rounds() - first_thread_round
             cpu = time.process_time_ns() - p0 + (flush_cpu_ns(path.flush) if path.flush is not None else 0)
             if record and acks:
                 stats.block_parts.append(
@@ -411,7 +413,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
                 stats.host_ns.append(cpu / acks)
                 stats.host_thread_ns.append((_host_thread_cpu_ns() - t0) / acks)
                 rounds = timer.rounds[first_round:]
-                stats.rounds.append((control.rounds - first_control if path.name == CONTROL else len(rounds)) / acks)
+                stats.rounds.append((thread_rounds() - first_thread_round) / acks)
                 stats.step_rounds.append(step_rounds / acks)
                 stats.round_cpu_ns.append(sum(held for held, _, _ in rounds) / acks)
                 stats.left_for_flush.append(unbuilt / acks)
@@ -530,10 +532,11 @@ def _schedule_price(control: dict[str, Any], ours: dict[str, Any], slice_ns: int
     there), that price times our host thread's rounds per transfer among the steps (the share of ours the schedule
     explains; the flush's rounds run back to back, no wake, nobody waiting), and the rest of ours."""
     rounds = control["host_thread_step_rounds"]
+    each = 1 / rounds if rounds > 0 else math.nan
     per_round = {
-        "paired": control["paired_added"] / rounds if rounds > 0 else math.nan,
-        "whole": control["whole_added"] / rounds if rounds > 0 else math.nan,
-        "host_cpu": control["host_cpu_added"] / rounds - slice_ns if rounds > 0 else math.nan,
+        "paired": control["paired_added"] * each,
+        "whole": control["whole_added"] * each,
+        "host_cpu": control["host_cpu_added"] * each - slice_ns,
     }
     price: dict[str, float] = {"rounds": rounds}
     for part, value in per_round.items():
