@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -264,3 +265,28 @@ def run_workload(engine: Engine, prefix: str = "") -> None:
         stored[request] = keys
     engine.load(prefix + "b", stored["b"], [20, 21, 22])
     engine.load(prefix + "c", stored["c"], [30, 31, 32, 33, 34])
+
+
+class Entered:
+    """How many times each of our hooks ``names`` of ``group`` was entered (a profile function: it sees a call
+    wherever it comes from, and changes nothing of the calls)."""
+
+    def __init__(self, group: type, *names: str) -> None:
+        self._codes = {getattr(group, name).__code__: name for name in names}
+        self.calls: dict[str, int] = {}
+
+    def __enter__(self) -> Entered:
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        name = self._codes.get(frame.f_code) if event == "call" else None
+        if name is not None:
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def take(self) -> dict[str, int]:
+        calls, self.calls = self.calls, {}
+        return calls

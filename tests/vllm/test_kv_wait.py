@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from otel_hicache._internal.host.worker import HOST_THREAD_NAME
+from otel_hicache.integrations.vllm import per_request
 from otel_hicache.integrations.vllm.per_request import _STATE
 from otel_hicache.integrations.vllm.semconv import SYNC_WAITS
 from otel_hicache.telemetry import HiCacheTelemetry
@@ -101,6 +102,21 @@ def test_a_sync_load_is_the_time_the_worker_waited_for_it_inside_the_step(instru
     header = engine.finished_trace_headers()["b"]["otel-hicache"]
     assert f"hicache.kv_wait.host={wait.sum!r}" in header
     no_state_left(b)
+
+
+@needs_sync_loads
+def test_the_first_sync_load_brings_back_the_wrapper_that_reads_the_workers_waits(instrumented: Sdk) -> None:
+    """Until the connector answers a sync load, the scheduler's steps skip update_from_output's wrapper (nothing to
+    read); the answer comes in the step's ``schedule()``, so the step's outputs, which carry the wait, go through it."""
+    engine = stepping.stepper(sync_load_budget_bytes=1 << 30)
+    offloaded(engine)
+    assert "update_from_output" in vars(engine.scheduler)  # skipped: no sync load yet
+    asked_again(engine)
+    with support.Entered(per_request.RequestHooks, "update_from_output") as entered:
+        engine.run()
+    assert entered.take()["update_from_output"] >= 1
+    (wait,) = instrumented.points(KV_WAIT).values()
+    assert wait.count == 1 and wait.sum > 0
 
 
 @needs_sync_loads

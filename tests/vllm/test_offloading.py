@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 import threading
 import time
 from typing import Any
@@ -106,37 +105,12 @@ def test_a_finished_transfer_is_only_queued_by_the_workers_step_and_built_on_the
     assert built_on == [HOST_THREAD_NAME] * 5  # none on the worker's thread, where vLLM's next forward waits
 
 
-class Entered:
-    """How many times each of our hooks ``names`` of ``group`` was entered (a profile function: it sees a call
-    wherever it comes from, and changes nothing of the calls)."""
-
-    def __init__(self, group: type, *names: str) -> None:
-        self._codes = {getattr(group, name).__code__: name for name in names}
-        self.calls: dict[str, int] = {}
-
-    def __enter__(self) -> Entered:
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        sys.setprofile(None)
-
-    def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        name = self._codes.get(frame.f_code) if event == "call" else None
-        if name is not None:
-            self.calls[name] = self.calls.get(name, 0) + 1
-
-    def take(self) -> dict[str, int]:
-        calls, self.calls = self.calls, {}
-        return calls
-
-
 def test_a_workers_step_enters_our_later_wrappers_only_when_they_have_something_to_do(instrumented: Sdk) -> None:
     """handle_preemptions, the first of a step's calls, notes the step's transfers: start_kv_transfers' wrapper runs
     only in a step with loads, get_finished's only while a transfer is pending (each wrapped call costs the step
     ~10 us cold), and every transfer is still reported as vLLM counts it."""
     engine = support.engine()
-    with Entered(hooks.OffloadHooks, "start_kv_transfers", "get_finished") as entered:
+    with support.Entered(hooks.OffloadHooks, "start_kv_transfers", "get_finished") as entered:
         engine._step()  # nothing to submit, nothing pending
         assert entered.take() == {}
         keys = engine.store("a", [0, 1])  # noted in its step, submitted and finished in the next
@@ -182,7 +156,7 @@ def test_with_vllms_tracing_off_a_connectors_steps_skip_our_link_wrapper_until_a
     it, the connector's steps after the first call vLLM's method directly; a traced request brings the wrapper back."""
     engine = stepping.stepper()
     engine.add("a", list(range(40)), max_tokens=3)
-    with Entered(per_request.RequestHooks, "build_connector_meta") as entered:
+    with support.Entered(per_request.RequestHooks, "build_connector_meta") as entered:
         engine.step()
         engine.step()
         assert entered.take() == {"build_connector_meta": 1}
@@ -190,6 +164,20 @@ def test_with_vllms_tracing_off_a_connectors_steps_skip_our_link_wrapper_until_a
         engine.add("b", list(range(100, 140)))
         engine.step()
         assert entered.take() == {"build_connector_meta": 1}
+
+
+def test_until_the_connector_answers_a_sync_load_a_schedulers_steps_skip_our_sync_wait_wrapper(
+    instrumented: Sdk,
+) -> None:
+    """update_from_output's wrapper reads the workers' waits for sync loads, which only vLLM >= 0.33 makes, and only
+    with ``sync_load_budget_bytes``: without one, the scheduler's steps after the first call vLLM's method directly
+    (test_kv_wait: a sync load brings the wrapper back)."""
+    engine = stepping.stepper()
+    engine.add("a", list(range(40)), max_tokens=3)
+    with support.Entered(per_request.RequestHooks, "update_from_output") as entered:
+        engine.run()
+        assert entered.take() == {"update_from_output": 1}
+    assert "update_from_output" in vars(engine.scheduler)
 
 
 def test_cpu_tier_occupancy_is_the_managers_chunks_in_tokens(instrumented: Sdk) -> None:

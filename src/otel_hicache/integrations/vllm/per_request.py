@@ -104,6 +104,7 @@ class RequestHooks(EngineHooks):
         self._span = threading.local()  # in the frontend: the payload of the request span being created
         self._ids: _RequestIds | None = None
         self._traced = False  # in the scheduler: a request with a request span was admitted (vLLM's tracing is on)
+        self._sync_loads = False  # in the scheduler: the connector answered a load within the step (vLLM >= 0.33)
 
     # ------------------------------------------------------------------ scheduler (engine core)
     def add_request(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -128,6 +129,9 @@ class RequestHooks(EngineHooks):
             request = args[0] if args else kwargs["request"]
             state = _state(request)
             state.sync_load = not load_async
+            if state.sync_load and not self._sync_loads:
+                self._sync_loads = True
+                self.detach()  # every scheduler's update_from_output reads the workers' sync waits from now on
             state.matched_ns = 0 if state.sync_load else time.monotonic_ns()
         return result
 
@@ -185,7 +189,12 @@ class RequestHooks(EngineHooks):
     def update_from_output(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``Scheduler.update_from_output(scheduler_output, model_runner_output)``: the step's worker metadata
         carries how long the workers waited for its sync loads (:data:`~.semconv.SYNC_WAITS`, per request); each is
-        that request's wait, recorded before vLLM builds the step's outputs (a request may finish in this step)."""
+        that request's wait, recorded before vLLM builds the step's outputs (a request may finish in this step).
+        Until the connector answers a sync load (never before vLLM 0.33, nor without ``sync_load_budget_bytes``) there
+        is none to read, and the scheduler's steps call vLLM's method directly from the second on: the answer comes
+        in ``schedule()``, before the step's outputs."""
+        if not self._sync_loads:
+            self._skips(instance, ("update_from_output",)).set("update_from_output", True)
         output = args[1] if len(args) > 1 else kwargs["model_runner_output"]
         connector_output = getattr(output, "kv_connector_output", None)
         waits = getattr(getattr(connector_output, "kv_connector_worker_meta", None), SYNC_WAITS, None)
