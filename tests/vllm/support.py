@@ -290,3 +290,31 @@ class Entered:
     def take(self) -> dict[str, int]:
         calls, self.calls = self.calls, {}
         return calls
+
+
+class WrappedCalls:
+    """Every call that went through one of our wrappers, by its target's name (``Class.method``): a profile function
+    on the failure-rule guard that every wrapper of ours runs in, so it sees each wrapped call, whichever hook it
+    serves, and changes nothing of the calls."""
+
+    def __init__(self) -> None:
+        from otel_hicache.integrations._patching import guarded
+
+        self._code = guarded(lambda *args: None, "", "").__code__  # every guard shares its code
+        self.calls: dict[str, int] = {}
+
+    def __enter__(self) -> WrappedCalls:
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is self._code:
+            hook = frame.f_locals["hook"]
+            self.calls[hook] = self.calls.get(hook, 0) + 1
+
+    def take(self) -> dict[str, int]:
+        calls, self.calls = self.calls, {}
+        return calls

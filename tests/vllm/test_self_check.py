@@ -58,3 +58,26 @@ def test_a_vllm_change_the_adapter_misses_is_counted_as_a_mismatch_with_one_warn
         assert counted[("hicache.transfer.size",)] == counted[("hicache.transfer.duration",)] == 2
     warnings = [r.getMessage() for r in caplog.records if "disagrees with the engine" in r.getMessage()]
     assert sorted(w.split()[1] for w in warnings) == ["hicache.transfer.duration", "hicache.transfer.size"]
+
+
+def test_a_transfer_the_adapter_never_noted_is_a_mismatch_also_in_steps_that_skip_our_get_finished(
+    instrumented: Sdk,
+) -> None:
+    """Simulated: a vLLM release that submits jobs without ``handle_preemptions`` (the adapter notes none). With none
+    of our transfers pending, the worker's steps skip our ``get_finished``; vLLM's count of what it finished (every
+    ``DirectionalTransferStats.record``) still reaches the self-check, as the step that counted it ends."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+
+    engine = support.engine()
+    engine._step()  # nothing pending: the worker's later steps call vLLM's get_finished directly
+    worker = engine.worker.connector_worker
+    assert "get_finished" in vars(worker)
+    ours = vars(OffloadingConnectorWorker)["handle_preemptions"]
+    with restored(OffloadingConnectorWorker, "handle_preemptions", ours):
+        OffloadingConnectorWorker.handle_preemptions = ours.__wrapped__  # vLLM's own, without our hook
+        engine.store_together({"a": [0], "b": [1, 2]})
+    assert engine.transfer_stats.store.bytes == 0  # handed to the scheduler at the step's end
+    assert engine.vllm_stats()["vllm:kv_offload_store_bytes"] > 0
+    assert instrumented.spans("hicache.backup") == []
+    counted = instrumented.counters()[MISMATCH]
+    assert counted[("hicache.transfer.size",)] == counted[("hicache.transfer.duration",)] == 1

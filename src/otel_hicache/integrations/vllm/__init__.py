@@ -32,12 +32,12 @@ with ``DirectionalTransferStats.record`` and  (``CPU_to_GPU``) span and transfer
                                               another worker. A result without size and time (third-party workers),
                                               which vLLM does not count: a transfer of its tokens and blocks with no
                                               byte count (unknown) and no duration (timing source ``none``)
-``OffloadingConnectorWorker.build_connector_  the self-check: what vLLM's worker counted (bytes, timed transfers,
-worker_meta``, ``OffloadingWorkerMetadata.   seconds per direction), handed over each step, beside what we recorded;
-aggregate``                                   an instrument that drifts from it counts ``otel_hicache.engine.mismatch``
-                                              (one warning); the wait of each sync load (vLLM >= 0.33: the time
-                                              ``start_kv_transfers`` waited for it) rides to the scheduler on that
-                                              metadata
+``DirectionalTransferStats.record``,          the self-check: what vLLM's worker counts (bytes, timed transfers,
+``OffloadingWorkerMetadata.aggregate``        seconds per direction; every ``record``, also in a step that skips our
+                                              ``get_finished``), beside what we recorded; an instrument that drifts
+                                              from it counts ``otel_hicache.engine.mismatch`` (one warning); the wait
+                                              of each sync load (vLLM >= 0.33: the time ``start_kv_transfers`` waited
+                                              for it) rides to the scheduler on the worker metadata vLLM hands over
 ``OffloadingConnectorStats.increase_counter`` ``hicache.transfer.failures{operation=backup, error.type=host_pool_full}``
 (``vllm:kv_offload_allocation_failure``)      per failed CPU-tier allocation
 ``CPUOffloadingSpec.get_manager``             ``hicache.pool.usage`` / ``.limit`` of tier ``host`` from the start:

@@ -11,10 +11,10 @@ calls with nothing to note skip our wrappers (:class:`~.._base.Skips`). Schedule
 ``OffloadingConnectorStats.increase_counter`` of the allocation-failure counter.
 
 Sync loads (vLLM >= 0.33, a load job with ``sync`` set): ``start_kv_transfers`` submits them and waits for them
-before the step's forward pass; how long that call took is the wait of each request it loaded for, handed to the
-scheduler on the step's worker metadata (:data:`~otel_hicache.integrations.vllm.semconv.SYNC_WAITS`; the slowest
-worker's when vLLM merges its workers' metadata with ``OffloadingWorkerMetadata.aggregate``), where it becomes the
-request's KV wait (:mod:`.per_request`).
+before the step's forward pass; how long that call took is the wait of each request it loaded for, put on the worker
+metadata that vLLM hands to the scheduler at the step's end (:data:`~otel_hicache.integrations.vllm.semconv.SYNC_WAITS`;
+the slowest worker's when vLLM merges its workers' metadata with ``OffloadingWorkerMetadata.aggregate``), where it
+becomes the request's KV wait (:mod:`.per_request`).
 
 Tokens of a transfer are the logical token positions it covers, per pool by the kind of each KV cache group
 (:data:`~otel_hicache.integrations.vllm.semconv.GROUP_POOLS`: full attention ``kv``, sliding window ``swa``, ...): a
@@ -22,12 +22,13 @@ group's tokens are its GPU blocks in the transfer x its tokens per block, and a 
 groups' (vLLM splits the layers of one kind into several groups of equal size, which cover the same positions), never
 their sum. Bytes, time and the block count (``hicache.transfer.nodes``) cover every group.
 
-Self-check: vLLM's worker role keeps its own transfer counters in the same process (``DirectionalTransferStats`` of
-its ``OffloadingWorkerMetadata``, handed to the scheduler by ``build_connector_worker_meta`` every step). At each
-hand-over, what vLLM counted (bytes, timed transfers and their seconds, per direction) is set beside what we recorded,
-on the worker's own thread, so the pair is consistent; the telemetry's engine check reports an instrument whose totals
-drifted apart since the last report (``otel_hicache.engine.mismatch``, one warning): an adapter that undercounts after
-a vLLM change says so.
+Self-check: vLLM's worker role keeps its own transfer counters in the same process: each timed result is one
+``DirectionalTransferStats.record(bytes, time)`` on its ``OffloadingWorkerMetadata``'s ``store`` or ``load``, which
+vLLM hands to the scheduler. Every such call is seen (the wrapper of ``record`` runs whether the step skips ours of
+``get_finished`` or not) and set beside what we recorded (bytes, timed transfers and their seconds, per direction),
+on the worker's own thread once the call that counted it returned, so the pair is consistent; the telemetry's engine
+check reports an instrument whose totals drifted apart since the last report (``otel_hicache.engine.mismatch``, one
+warning): an adapter that undercounts after a vLLM change says so.
 
 Failure rule (:mod:`.._base`): our code never raises into vLLM nor changes its exception; a failure is logged once.
 What vLLM had counted before it raised part-way through ``get_finished`` is still reported. Nothing here synchronises
@@ -80,10 +81,12 @@ class _Group(NamedTuple):
 
 
 class _Measured(NamedTuple):
-    """The arguments of one ``DirectionalTransferStats.record`` call vLLM completed (read at report time)."""
+    """The arguments of one ``DirectionalTransferStats.record`` call vLLM completed (read at report time), and the
+    stats it counted into (which direction's)."""
 
     args: tuple
     kwargs: dict
+    stats: Any
 
 
 class _Completed(NamedTuple):
@@ -113,23 +116,23 @@ class _Connector:
         "sink",
         "skipping",
         "skips",
-        "sync_waits",
         "theirs",
+        "worker",
         "worker_timing",
     )
 
-    def __init__(self, sink: HiCacheTelemetry | None, groups: tuple[_Group, ...], skips: Skips) -> None:
+    def __init__(self, worker: Any, sink: HiCacheTelemetry | None, groups: tuple[_Group, ...], skips: Skips) -> None:
+        self.worker = weakref.ref(worker)
         self.sink = sink
         self.groups = groups
         self.pending: dict[int, _Pending] = {}
         self.skips = skips  # the step's calls the worker skips our wrappers of (decided by handle_preemptions)
         self.skipping = (False, False)  # ... whether start_kv_transfers and get_finished are skipped now
-        self.sync_waits: dict[str, float] = {}  # request id -> seconds waited for its sync load, until handed over
         self.worker_timing: TimingSource | None = None
-        # [bytes, timed count, seconds] per direction: what we recorded, what vLLM handed over
+        # [bytes, timed count, seconds] per direction: what we recorded, what vLLM counted
         self.ours = {op: [0.0, 0.0, 0.0] for op in _DIRECTIONS}
         self.theirs = {op: [0.0, 0.0, 0.0] for op in _DIRECTIONS}
-        self.compared: tuple[_Totals, _Totals] | None = None  # (ours, theirs) at the last hand-over
+        self.compared: tuple[_Totals, _Totals] | None = None  # (ours, theirs) after the last call that changed them
 
     def tally(self, operation: TransferOperation, measured: tuple[Any, Any] | None) -> None:
         """Add a reported transfer to ours: what vLLM counted for it (bytes, seconds), as vLLM got them."""
@@ -140,13 +143,30 @@ class _Connector:
             totals[1] += 1
             totals[2] += seconds if isinstance(seconds, float) else 0.0
 
-    def handed_over(self, transfer_stats: Any) -> None:
-        """vLLM handed its counts since the last hand-over to the scheduler: set ours beside them."""
-        for op, stats in zip(_DIRECTIONS, (transfer_stats.store, transfer_stats.load), strict=True):
-            theirs = self.theirs[op]
-            theirs[0] += stats.bytes
-            theirs[1] += len(stats.sizes)
-            theirs[2] += stats.time
+    def counted(self, event: _Measured) -> bool:
+        """vLLM counted one timed result (``event``) into this worker's metadata: add it to theirs, in the direction
+        of the stats it went to. A count into stats that are not the worker's current metadata's is not this
+        worker's."""
+        worker = self.worker()
+        meta = None if worker is None else getattr(worker, "_connector_worker_meta", None)
+        stats = getattr(meta, "transfer_stats", None)
+        if stats is None:
+            return False
+        if event.stats is stats.store:
+            operation = TransferOperation.BACKUP
+        elif event.stats is stats.load:
+            operation = TransferOperation.LOAD_BACK
+        else:
+            return False
+        num_bytes, seconds = _stats_arguments(*event.args, **event.kwargs)
+        theirs = self.theirs[operation]
+        theirs[0] += num_bytes  # as vLLM added them (it did, without raising): a value we refuse shows as a difference
+        theirs[1] += 1
+        theirs[2] += seconds
+        return True
+
+    def compare(self) -> None:
+        """Ours beside theirs now, for the engine check (a consistent pair: no call of vLLM's is counting)."""
         self.compared = (
             tuple(tuple(self.ours[op]) for op in _DIRECTIONS),
             tuple(tuple(self.theirs[op]) for op in _DIRECTIONS),
@@ -203,15 +223,18 @@ class OffloadHooks(EngineHooks):
         super().__init__(sink, ranks)
         self._attr = f"_otel_hicache_jobs_{id(self):x}"
         self._finishing = threading.local()  # the events of the get_finished call running on this thread
+        self._connectors: weakref.WeakSet[_Connector] = weakref.WeakSet()  # those that report: a count is theirs
 
     def _connector(self, worker: Any) -> _Connector:
         state = getattr(worker, self._attr, None)
         if state is None:
             spec = worker.spec
-            state = _Connector(self._sink(spec), _groups(spec, worker.kv_cache_config), self._skips(worker, _SKIPPABLE))
+            sink = self._sink(spec)
+            state = _Connector(worker, sink, _groups(spec, worker.kv_cache_config), self._skips(worker, _SKIPPABLE))
             setattr(worker, self._attr, state)
-            if state.sink is not None:
-                state.sink.add_engine_check(_TransferCheck(state, state.sink))
+            if sink is not None:
+                self._connectors.add(state)
+                sink.add_engine_check(_TransferCheck(state, sink))
         return state
 
     # ------------------------------------------------------------------ start: OffloadingConnectorWorker
@@ -255,7 +278,8 @@ class OffloadHooks(EngineHooks):
 
     def start_kv_transfers(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """Submits the step's loads: their submission time is now; and waits for its sync loads (vLLM >= 0.33): the
-        time it takes then is what each of their requests waited."""
+        time it takes then is what each of their requests waited, put on the worker metadata vLLM hands to the
+        scheduler at the step's end (a sync load completes in its step, so that metadata is handed over)."""
         metadata = args[0] if args else kwargs["metadata"]
         state = self._connector(instance)
         jobs = metadata.load_jobs
@@ -266,10 +290,11 @@ class OffloadHooks(EngineHooks):
         start = time.perf_counter()
         result = wrapped(*args, **kwargs)
         waited = time.perf_counter() - start
-        waits = state.sync_waits
+        meta = instance._connector_worker_meta
+        waits = getattr(meta, SYNC_WAITS, None) or {}
         for req_id in synced:
             waits[req_id] = waited
-        trim(waits)
+        setattr(meta, SYNC_WAITS, waits)
         return result
 
     def _note(self, state: _Connector, operation: TransferOperation, jobs: Any, submit_ns: int, metadata: Any) -> None:
@@ -305,21 +330,28 @@ class OffloadHooks(EngineHooks):
 
     def transfer_stats_record(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``DirectionalTransferStats.record(num_bytes, time)``: vLLM counting one timed result (noted once vLLM's
-        call returned, so what vLLM refused is not reported either)."""
-        return self._noted(_Measured, wrapped, args, kwargs)
+        call returned, so what vLLM refused is not reported either) for the ``get_finished`` of ours running on this
+        thread. Outside one (the step skipped ours: none of our transfers was pending) it is a transfer we never
+        noted: it goes to the self-check of the worker whose metadata it counted into, at once."""
+        result = wrapped(*args, **kwargs)
+        event = _Measured(args, kwargs, instance)
+        events = getattr(self._finishing, "events", None)
+        if events is not None:
+            events.append(event)
+            return result
+        for state in list(self._connectors):
+            if state.counted(event):
+                state.compare()
+                break
+        return result
 
     def mark_completed(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``OffloadingWorkerMetadata.mark_completed(job_id)``: the result's job is done."""
-        return self._noted(_Completed, wrapped, args, kwargs)
-
-    def _noted(
-        self, event: type[_Measured | _Completed], wrapped: Callable[..., Any], args: tuple, kwargs: dict
-    ) -> Any:
-        """Call vLLM's method; once it returned, note the call for the ``get_finished`` running on this thread."""
+        """``OffloadingWorkerMetadata.mark_completed(job_id)``: the result's job is done (noted for the
+        ``get_finished`` of ours running on this thread)."""
         result = wrapped(*args, **kwargs)
         events = getattr(self._finishing, "events", None)
         if events is not None:
-            events.append(event(args, kwargs))
+            events.append(_Completed(args, kwargs))
         return result
 
     def _report(self, instance: Any, events: list[_Measured | _Completed]) -> None:
@@ -336,6 +368,7 @@ class OffloadHooks(EngineHooks):
         for event in events:
             if isinstance(event, _Measured):
                 measured = event
+                state.counted(event)
                 continue
             entry = state.pending.pop(_job_id(*event.args, **event.kwargs), None)
             if entry is not None:
@@ -344,19 +377,7 @@ class OffloadHooks(EngineHooks):
                 sink.record_transfer_deferred(_built, (entry, sizes, done_ns, state.worker_timing))
                 state.tally(entry.operation, sizes)
             measured = None
-
-    def build_connector_worker_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``OffloadingConnectorWorker.build_connector_worker_meta``: vLLM hands what it counted since the last call
-        to the scheduler; the self-check's consistent point."""
-        meta = wrapped(*args, **kwargs)
-        state = self._connector(instance)
-        if meta is not None:
-            if state.sink is not None:
-                state.handed_over(meta.transfer_stats)
-            if state.sync_waits:  # a sync load completes in its own step: its job is in this metadata
-                setattr(meta, SYNC_WAITS, state.sync_waits)
-                state.sync_waits = {}
-        return meta
+        state.compare()
 
     def aggregate_worker_meta(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``OffloadingWorkerMetadata.aggregate(other)``: vLLM merges its workers' metadata into a new one; the sync

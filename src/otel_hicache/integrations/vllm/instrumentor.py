@@ -44,7 +44,6 @@ _TARGETS: Final[tuple[tuple[Target, str, str], ...]] = (
     ),
     (Target(_WORKER, _CONNECTOR_WORKER, "start_kv_transfers", ("metadata",)), "offload", "start_kv_transfers"),
     (Target(_WORKER, _CONNECTOR_WORKER, "get_finished"), "offload", "get_finished"),
-    (Target(_WORKER, _CONNECTOR_WORKER, "build_connector_worker_meta"), "offload", "build_connector_worker_meta"),
     (Target(_COMMON, "DirectionalTransferStats", "record", ("num_bytes", "time")), "offload", "transfer_stats_record"),
     (Target(_COMMON, "OffloadingWorkerMetadata", "mark_completed", ("job_id",)), "offload", "mark_completed"),
     (Target(_COMMON, "OffloadingWorkerMetadata", "aggregate", ("other",)), "offload", "aggregate_worker_meta"),
