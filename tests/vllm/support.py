@@ -267,15 +267,14 @@ def run_workload(engine: Engine, prefix: str = "") -> None:
     engine.load(prefix + "c", stored["c"], [30, 31, 32, 33, 34])
 
 
-class Entered:
-    """How many times each of our hooks ``names`` of ``group`` was entered (a profile function: it sees a call
-    wherever it comes from, and changes nothing of the calls)."""
+class _Calls:
+    """Calls counted by a profile function (it sees a call wherever it comes from, and changes nothing of the calls):
+    those :meth:`_name` names, by that name."""
 
-    def __init__(self, group: type, *names: str) -> None:
-        self._codes = {getattr(group, name).__code__: name for name in names}
+    def __init__(self) -> None:
         self.calls: dict[str, int] = {}
 
-    def __enter__(self) -> Entered:
+    def __enter__(self) -> _Calls:
         sys.setprofile(self._profile)
         return self
 
@@ -283,38 +282,38 @@ class Entered:
         sys.setprofile(None)
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        name = self._codes.get(frame.f_code) if event == "call" else None
+        name = self._name(frame) if event == "call" else None
         if name is not None:
             self.calls[name] = self.calls.get(name, 0) + 1
+
+    def _name(self, frame: Any) -> str | None:
+        raise NotImplementedError
 
     def take(self) -> dict[str, int]:
         calls, self.calls = self.calls, {}
         return calls
 
 
-class WrappedCalls:
-    """Every call that went through one of our wrappers, by its target's name (``Class.method``): a profile function
-    on the failure-rule guard that every wrapper of ours runs in, so it sees each wrapped call, whichever hook it
-    serves, and changes nothing of the calls."""
+class Entered(_Calls):
+    """How many times each of our hooks ``names`` of ``group`` was entered."""
+
+    def __init__(self, group: type, *names: str) -> None:
+        super().__init__()
+        self._codes = {getattr(group, name).__code__: name for name in names}
+
+    def _name(self, frame: Any) -> str | None:
+        return self._codes.get(frame.f_code)
+
+
+class WrappedCalls(_Calls):
+    """Every call that went through one of our wrappers, by its target's name (``Class.method``): the failure-rule
+    guard that every wrapper of ours runs in is what is counted, so each wrapped call is, whichever hook it serves."""
 
     def __init__(self) -> None:
         from otel_hicache.integrations._patching import guarded
 
+        super().__init__()
         self._code = guarded(lambda *args: None, "", "").__code__  # every guard shares its code
-        self.calls: dict[str, int] = {}
 
-    def __enter__(self) -> WrappedCalls:
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        sys.setprofile(None)
-
-    def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is self._code:
-            hook = frame.f_locals["hook"]
-            self.calls[hook] = self.calls.get(hook, 0) + 1
-
-    def take(self) -> dict[str, int]:
-        calls, self.calls = self.calls, {}
-        return calls
+    def _name(self, frame: Any) -> str | None:
+        return str(frame.f_locals["hook"]) if frame.f_code is self._code else None
