@@ -65,7 +65,7 @@ def test_a_transfer_the_adapter_never_noted_is_a_mismatch_also_in_steps_that_ski
 ) -> None:
     """Simulated: a vLLM release that submits jobs without ``handle_preemptions`` (the adapter notes none). With none
     of our transfers pending, the worker's steps skip our ``get_finished``; vLLM's count of what it finished (every
-    ``DirectionalTransferStats.record``) still reaches the self-check, as the step that counted it ends."""
+    ``DirectionalTransferStats.record``) still reaches the self-check, as vLLM makes it."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 
     engine = support.engine()
