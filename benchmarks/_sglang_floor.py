@@ -8,6 +8,9 @@ submission time (noted as SGLang appends it) and consumption time, tokens per po
 batch, SGLang's split of its tokens; per admitted request, the hashes of its prompt's pages that the capacity
 estimator samples (:func:`otel_hicache.capacity.page_keys`, each page sampled: the rate before the sample fills). Left
 out, because the CPU path has none of them: an ack's copy time (``timing_enabled`` is off on CPU), request links.
+``benchmarks sglang`` also runs these records with the page hashes left out (:meth:`RawRecords.split` alone) beside
+the product's own capacity lookups on our host thread: what moving everything but the lookups out of the host would
+leave.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ class RawRecords:
 
     def admitted(self, stats: Any, adder: Any) -> None:
         """A prefill batch: its split, and each admitted request's sampled page hashes."""
+        self.split(stats)
+        self.pages(adder)
+
+    def split(self, stats: Any) -> None:
+        """A prefill batch's split of its tokens by tier."""
         _PREFILL_SLOT.pack_into(
             self.ring,
             self.slot(),
@@ -67,6 +75,9 @@ class RawRecords:
             stats.log_host_hit_tokens,
             stats.log_storage_hit_tokens,
         )
+
+    def pages(self, adder: Any) -> None:
+        """Each request the batch admitted: its prompt's page hashes, every page sampled."""
         for req in adder.can_run_list:
             pages = page_keys(req.origin_input_ids, self.page_tokens)
             for start in range(0, len(pages), _PAGES_PER_SLOT):

@@ -34,7 +34,11 @@ block):
   schedule's wakes and GIL hand-overs alone cost the scheduler thread on this machine, per round;
 * floor: each of our hooks writes its raw record into shared memory itself, and nothing of ours runs on another
   thread (:mod:`benchmarks._sglang_floor`, a measuring device, not the product): the least any design that keeps these
-  hooks and moves everything else out of the host process could cost the scheduler thread.
+  hooks and moves everything else out of the host process could cost the scheduler thread;
+* floor, lookups on our host thread: the floor's raw records but the page hashes, and each admitted request handed
+  to the product's capacity estimator as the instrumentor hands it (``CapacityHooks.admissions``: the page keys and
+  the model on our host thread, in its slices): what moving everything but the capacity lookups out of the host
+  process would leave (their page keys need the prompt's token ids, which must not leave the process).
 
 CPU shims and the cache builder: :mod:`otel_hicache.testing.sglang` (the SGLang tests use the same). On CPU,
 ``torch.cpu.Event`` cannot time, so SGLang's acks carry ``timing_enabled=False`` and no duration is observed on any
@@ -139,6 +143,9 @@ PROMETHEUS = "prometheus_client (SGLang --enable-metrics)"
 OURS = "otel_hicache instrumentor, OTLP"
 CONTROL = "control: our host thread's schedule alone"
 FLOOR = "floor: our hooks' raw records to shared memory, no host thread"
+LOOKUPS = "floor, capacity lookups on our host thread"
+#: the paths whose host thread is the telemetry's: its CPU and rounds are reported
+HOST_THREAD_PATHS = (OURS, LOOKUPS)
 
 
 @dataclass
@@ -276,8 +283,11 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
     from benchmarks._rounds import RoundTimer, ScheduleControl, wake_cpu_ns
     from benchmarks._sglang_floor import RawRecords
     from benchmarks.ackpath import NaiveOtelReporter
+    from otel_hicache.integrations._sink import ProcessSink
     from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+    from otel_hicache.integrations.sglang.capacity import CapacityHooks
     from otel_hicache.sdk import configure
+    from otel_hicache.semconv import Engine
 
     collector = CollectorProcess()
     otlp = configure(endpoint=collector.grpc_endpoint, protocol="grpc", service_name="bench-sglang")
@@ -326,6 +336,16 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
     def set_hicache(cache: Any) -> None:
         instrumentor.instrument(telemetry=otlp.telemetry, stat_loggers=False)
 
+    lookups: list[CapacityHooks] = []  # the block's: its feed is made at its first admission, as the product's
+
+    def set_lookups(cache: Any) -> None:
+        floor.adopt(cache)
+        lookups[:] = [CapacityHooks(ProcessSink(Engine.SGLANG, telemetry=otlp.telemetry))]
+
+    def lookups_admitted(stats: Any, adder: Any) -> None:
+        floor.split(stats)
+        lookups[0].admissions(adder)
+
     paths = [
         _Path("uninstrumented", lambda cache: None),
         _Path(PROMETHEUS, set_prom, prom_admitted),
@@ -333,6 +353,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
         _Path(OURS, set_hicache, None, otlp.force_flush, instrumentor.uninstrument),
         _Path(CONTROL, lambda cache: control.start(), teardown=control.stop),
         _Path(FLOOR, floor.adopt, floor.admitted),
+        _Path(LOOKUPS, set_lookups, lookups_admitted, otlp.force_flush),
     ]
     kv_size = 2 * params.batches_per_block * params.batch * (params.seq_tokens + 16)
     seq = [0]
@@ -459,7 +480,8 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
         ),
         "prometheus_client backup tokens == tokens backed up": prom_tokens == tokens(PROMETHEUS),
         "otel_hicache backup tokens == tokens backed up": ours == tokens(OURS),
-        "the floor wrote one record per ack consumed": floor.acks == sum(s.acks for s in by[FLOOR].stats.values()),
+        "the floor wrote one record per ack consumed": floor.acks
+        == sum(s.acks for name in (FLOOR, LOOKUPS) for s in by[name].stats.values()),
     }
     return _table(paths, params, checks, command, placement, wake_floor, timer.builds)
 
@@ -623,10 +645,10 @@ def _table(
                         "-" if first else _ratio(whole, sum(prom)),
                         "-" if first else _ratio(check, prom[1]),
                         "-" if first else host,
-                        median(s.host_thread_ns) if p.name == OURS else "-",
-                        median(s.rounds) if p.name in (OURS, CONTROL) else "-",
-                        median(s.host_thread_ns) - median(s.round_cpu_ns) if p.name == OURS else "-",
-                        median(s.left_for_flush) if p.name == OURS else "-",
+                        median(s.host_thread_ns) if p.name in HOST_THREAD_PATHS else "-",
+                        median(s.rounds) if p.name in (*HOST_THREAD_PATHS, CONTROL) else "-",
+                        median(s.host_thread_ns) - median(s.round_cpu_ns) if p.name in HOST_THREAD_PATHS else "-",
+                        median(s.left_for_flush) if p.name in HOST_THREAD_PATHS else "-",
                         median(s.export_ns),
                         median(s.receiver_ns),
                     ]
@@ -697,6 +719,16 @@ def _table(
                 f"prometheus_client's), whole {lowest['whole_added'] / 1e3:+.1f} us ({lowest['ratio_whole']:.2f}x), "
                 f"host-process CPU {lowest['host_cpu_added'] / 1e3:+.1f} us per transfer (prometheus_client's "
                 f"{prom_host / 1e3:+.1f} us)."
+            )
+            left = table.data[f"{where}/{pattern}/{LOOKUPS}"]
+            table.notes.append(
+                f"Floor with the capacity lookups on our host thread, {where}, {pattern}: submission + consumption "
+                f"{left['paired_added'] / 1e3:+.1f} us ({left['ratio_paired']:.2f}x), whole "
+                f"{left['whole_added'] / 1e3:+.1f} us ({left['ratio_whole']:.2f}x), host-process CPU "
+                f"{left['host_cpu_added'] / 1e3:+.1f} us per transfer, "
+                f"{'at most' if left['host_cpu_added'] <= prom_host else 'above'} prometheus_client's "
+                f"({prom_host / 1e3:+.1f} us); our host thread {left['host_thread_cpu'] / 1e3:.1f} us of CPU and "
+                f"{left['host_thread_step_rounds']:.2f} rounds per transfer among the steps."
             )
     table.data["goals"] = goals
     table.data["resolved"] = resolved
@@ -784,5 +816,10 @@ def _table(
         "that keeps these hooks and builds, counts and exports in another process could cost. A measuring device, "
         "not the product: no record is read back, and it leaves out the wrapper's own price (PrefillStats.from_adder "
         "is called directly) and what a GPU adds (an ack's copy time read from its events).",
+        "Floor with the capacity lookups on our host thread: the floor's raw records but the page hashes, and each "
+        "admitted request handed to the product's capacity estimator as the instrumentor hands it "
+        "(CapacityHooks.admissions: its page keys, from the prompt's token ids, and the model's update run on our "
+        "host thread, in its slices). What moving everything but the lookups out of the host process would leave: "
+        "the page keys need the token ids, which no process of ours but the host may hold.",
     ]
     return table

@@ -135,7 +135,7 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
     patterns = ("writing_check(finish_count=n)", "writing_check()")
     placements = {key.split("/")[0] for key in data["goals"]}
     assert "unpinned" in placements and placements <= {"unpinned", "pinned"}
-    assert len(table["rows"]) == 6 * len(patterns) * len(placements)
+    assert len(table["rows"]) == 7 * len(patterns) * len(placements)
     # both goals are judged for every placement and call pattern (met or not: no timing is asserted)
     assert set(data["goals"]) == {f"{where}/{pattern}" for where in placements for pattern in patterns}
     assert all(set(goals) == {"submission_consumption", "whole", "host_cpu"} for goals in data["goals"].values())
@@ -175,6 +175,16 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
     floor = "floor: our hooks' raw records to shared memory, no host thread"
     assert all(_sane(data[f"{key}/{floor}"]["check_p50"]) for key in data["goals"])
     assert len([note for note in table["notes"] if note.startswith("Floor, ")]) == len(data["goals"])
+    # ... and beside it the capacity lookups left to our host thread, fed as the instrumentor feeds them: that thread
+    # builds them (its CPU and rounds reported, as ours are)
+    lookups = "floor, capacity lookups on our host thread"
+    for key in data["goals"]:
+        assert _sane(data[f"{key}/{lookups}"]["host_thread_cpu"]) and data[f"{key}/{lookups}"]["host_thread_cpu"] > 0
+        assert data[f"{key}/{lookups}"]["host_thread_rounds"] > 0, key
+    lookup_notes = [
+        note for note in table["notes"] if note.startswith("Floor with the capacity lookups on our host thread, ")
+    ]
+    assert len(lookup_notes) == len(data["goals"])
     # one wake of an idle thread costs some CPU; with --time-builds every kind of record the host thread builds is
     # timed on it
     assert data["wake_floor_ns"] > 0
