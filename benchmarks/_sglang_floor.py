@@ -79,7 +79,7 @@ class RawRecords:
     def pages(self, adder: Any) -> None:
         """Each request the batch admitted: its prompt's page hashes, every page sampled."""
         for req in adder.can_run_list:
-            pages = page_keys(req.origin_input_ids, self.page_tokens)
+            pages = list(page_keys(req.origin_input_ids, self.page_tokens))
             for start in range(0, len(pages), _PAGES_PER_SLOT):
                 chunk = pages[start : start + _PAGES_PER_SLOT]
                 padded = chunk + [0] * (_PAGES_PER_SLOT - len(chunk))

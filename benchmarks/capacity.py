@@ -90,7 +90,7 @@ def _build_cpu_ns(params: Params, *, computed: bool, exclusive: bool, steady: bo
                 ids = [base + i for i in range(PROMPT_TOKENS)] if computed else list(range(base, base + PAGES))
                 return ids
             prompt = rng.choice(shared)
-            return prompt if computed else page_keys(prompt, PAGE)
+            return prompt if computed else list(page_keys(prompt, PAGE))
 
         for _ in range(params.warm if steady else 0):
             feed.build((0, lookup(), PROMPT_TOKENS))

@@ -14,6 +14,9 @@ Run in each engine's venv::
 * **Host process**: the telemetry host thread's work for one admitted 4,096-token request - its page keys (SGLang:
   hashed from its token ids, at page sizes 1 and 16; vLLM: its own block hashes, 16-token blocks) and the estimator's
   update - on a model warmed with 5,000 requests of a Zipf-over-documents workload (sampling at its fixed size).
+* **How long the host thread holds the GIL at a stretch** (SGLang): while it builds 40 such lookups at its own pace,
+  its CPU time between two of its pauses (each lets the scheduler thread have the GIL; garbage collection off
+  meanwhile: a collection of a large heap runs on whichever thread triggers it): the 99th percentile and the longest.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import gc
 import itertools
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, SupportsIndex
 
 PROMPT_TOKENS = 4096
 WARM_REQUESTS = 5_000
@@ -69,6 +74,48 @@ def _warm(feed: Any, keys: Callable[[list[int]], Any]) -> None:
 
     for prompt in itertools.islice(documents(seed=3, count=2000, scale=4), WARM_REQUESTS):
         feed.build((0, keys(prompt), len(prompt)))
+
+
+def _longest_holds(telemetry: Any, feed: Any, entry: tuple[int, Any, int], lookups: int) -> tuple[float, float]:
+    """The telemetry's host thread's stretches of work between two of its pauses (each pause lets the scheduler thread
+    have the GIL) while it builds ``lookups`` copies of ``entry`` at its own pace: CPU time (no wait for the GIL in it),
+    the 99th percentile and the longest, ns. Its pauses are seen by wrapping ``time.sleep`` meanwhile."""
+    from otel_hicache._internal.host.worker import HOST_THREAD_NAME
+
+    host = telemetry._host  # its HostWorker: the queue is drained when nothing waits and nothing is being built
+    sleep, last, holds = time.sleep, [0], []
+
+    def timed(seconds: float | SupportsIndex) -> None:
+        if threading.current_thread().name == HOST_THREAD_NAME:
+            now = time.thread_time_ns()
+            if last[0]:
+                holds.append(now - last[0])
+            sleep(seconds)
+            last[0] = time.thread_time_ns()
+        else:
+            sleep(seconds)
+
+    for _ in range(lookups):
+        feed.put((next(feed.seq), *entry[1:]))
+    gc.collect()
+    gc.disable()  # a collection of this process's large heap runs on whichever thread triggers it, for milliseconds
+    time.sleep = timed
+    try:
+        host._wake.set()  # a patient queue: taken at the next tick, now
+        while host.waiting() or host._building:
+            sleep(0.001)
+    finally:
+        time.sleep = sleep
+        gc.enable()
+    holds.sort()
+    return holds[int(0.99 * len(holds))], holds[-1]
+
+
+def _all_keys(req: Any, page: int) -> list[Any]:
+    """Every page key of SGLang's request ``req`` (the estimator reads them lazily, with the lookup)."""
+    from otel_hicache.integrations.sglang.capacity import request_keys
+
+    return list(request_keys(req, page))
 
 
 def _row(engine: str, what: str, ns: float) -> str:
@@ -126,10 +173,13 @@ def sglang() -> list[str]:
         _warm(feed, lambda prompt: make_request(prompt, "warm"))
         request = make_request(list(range(7, 7 + PROMPT_TOKENS)), "bench")
         entry = (0, request, PROMPT_TOKENS)
-        keys = _thread_ns(functools.partial(request_keys, request, page), 20, blocks=7)
+        keys = _thread_ns(functools.partial(_all_keys, request, page), 20, blocks=7)
         total = _thread_ns(functools.partial(feed.build, entry), 20, blocks=7)
         rows.append(_row("SGLang 0.5.23", f"host thread, 4,096-token request, page {page}: keys", keys))
         rows.append(_row("SGLang 0.5.23", f"host thread, 4,096-token request, page {page}: keys + model", total))
+        p99, longest = _longest_holds(telemetry, feed, entry, 40)
+        what = f"host thread's CPU between two pauses while it builds those, page {page}: p99 / longest"
+        rows.append(f"| SGLang 0.5.23 | {what} | {p99 / 1000:,.0f} / {longest / 1000:,.0f} |")
     telemetry.shutdown()
     return rows
 

@@ -30,11 +30,13 @@ The contract, for a producer (an engine adapter, the reference cache):
   the other tiers unchanged; factor ``inf`` is the ceiling (``1 - inf``: tokens seen for the first time). No key, token
   id or prompt text is kept beyond a 64-bit Python hash of the key (salted per process for ``str`` and ``bytes``),
   and none reaches a span or a metric. :meth:`CapacityFeed.curve` reads the same curve in the process.
-* **Cost**: the host thread pays a ``hash`` and a compare per page, and the model's work per *sampled* page only. The
-  memory is fixed whatever the traffic: :data:`MAX_SAMPLED_KEYS` pages at most, at most :data:`FOOTPRINT_BYTES`
-  (2 MiB) per feed - one feed serves every tier of the process - and :data:`SIMULATION_BYTES` (6 MiB) more per
-  exclusive tier that keeps copies (``reclaims_copies=False``). The sampling error stays within :data:`ERROR_BOUND`
-  (2 points) of an exact LRU.
+* **Cost**: the host thread pays a ``hash`` and a compare per page, and the model's work per *sampled* page only. A
+  long lookup (a prompt of thousands of pages, a millisecond) pauses as the host thread's rounds do once its round has
+  held the GIL 200 us: the scheduler thread never waits for the GIL for a whole lookup. ``keys`` may return an iterator:
+  it is read a piece at a time, so computing the keys is paced too. The memory is fixed whatever the traffic:
+  :data:`MAX_SAMPLED_KEYS` pages at most, at most :data:`FOOTPRINT_BYTES` (2 MiB) per feed - one feed serves every
+  tier of the process - and :data:`SIMULATION_BYTES` (6 MiB) more per exclusive tier that keeps copies
+  (``reclaims_copies=False``). The sampling error stays within :data:`ERROR_BOUND` (2 points) of an exact LRU.
 
 The model. One stream of page accesses, each request's lookup in order, feeds a reuse-distance histogram (Mattson's
 stack algorithm: a page is a hit in an LRU cache of ``C`` pages iff fewer than ``C`` distinct pages were used since
@@ -114,6 +116,11 @@ _SPACE = 1 << 64
 #: Keys the write-back simulations track at most, all of them together (a subset of the sampled pages: those whose
 #: hash is below their own, lower threshold).
 MAX_SIMULATED_KEYS = 2048
+#: Sampled pages a lookup's model work handles between two calls of its ``pace`` (~0.7 us a page, ~45 us a piece on
+#: the host thread): a lookup of a long prompt (a 4,096-page one costs ~0.6 ms) pauses as the host thread's rounds do
+#: once its round has held the GIL 200 us, instead of holding it throughout. Its keys are read in pieces of four times
+#: as many pages (a page's key costs a quarter to a half of that, and smaller pieces cost more per key than they save).
+PACE_PAGES = 64
 
 Keys = Callable[[Any], Iterable[Hashable]]
 
@@ -173,17 +180,20 @@ def check_tiers(tiers: Iterable[TierCapacity]) -> tuple[TierCapacity, ...]:
     return out
 
 
-def page_keys(tokens: Sequence[int], page_tokens: int) -> list[int]:
+def _unpaced() -> None:
+    """A lookup that is never paced (the model used directly, not on a host thread)."""
+
+
+def page_keys(tokens: Sequence[int], page_tokens: int) -> Iterator[int]:
     """Keys of each full page of ``tokens`` for :meth:`CapacityFeed.put`: a chain of Python hashes (each page's key
     hashes its parent's key with the page's ids), equal exactly when the prefixes are. Run it in ``keys``, on the host
-    thread: under a microsecond a page."""
-    out: list[int] = []
+    thread: under a microsecond a page. Lazily: the estimator reads them a piece at a time (a long prompt's keys are
+    paced with its lookup)."""
     key = 0
     pages = iter(tokens)
     for page in zip(*[pages] * page_tokens, strict=False):  # each full page as a tuple, the tail left out (C-level)
         key = hash((key, page))
-        out.append(key)
-    return out
+        yield key
 
 
 class CapacityModel:
@@ -208,6 +218,7 @@ class CapacityModel:
         # overflows (a sample that never fills needs none), kept up to date from then on
         self._by_hash: list[int] | None = None
         self._hist = array("d", bytes(8 * _BINS))  # sample weight by scaled distance (pages)
+        self._below_bin: array[float] | None = None  # per bin, the weight of the bins below it (None: to be summed)
         self.cold = 0.0  # sample weight of first uses
         self.sampled = 0.0  # sample weight of all sampled uses
         self._sims: dict[tuple[int, int], _WriteBack] = {}  # exclusive tiers: (faster pages, pages) -> sim
@@ -220,21 +231,30 @@ class CapacityModel:
         """Pages the sample tracks now (at most ``max_keys``)."""
         return len(self._last)
 
-    def access(self, keys: Iterable[Hashable], prompt_tokens: int) -> None:
-        """One request's prefix lookup: its page keys, first page first, and its prompt's length in tokens."""
-        looked = list(itertools.islice(keys, prompt_tokens // self.page_tokens))
-        threshold = self.threshold
-        sampled = [h for h in map(hash, zip(looked)) if h < threshold]
+    def access(self, keys: Iterable[Hashable], prompt_tokens: int, pace: Callable[[], None] = _unpaced) -> None:
+        """One request's prefix lookup: its page keys, first page first, and its prompt's length in tokens. ``pace``
+        is called between pieces of the lookup (:data:`PACE_PAGES`), where a long one may pause."""
+        wanted, threshold, pending = prompt_tokens // self.page_tokens, self.threshold, iter(keys)
+        looked, per_piece = 0, 4 * PACE_PAGES
+        sampled: list[int] = []
+        while looked < wanted:
+            if looked:
+                pace()
+            piece = list(itertools.islice(pending, min(per_piece, wanted - looked)))
+            if not piece:
+                break
+            looked += len(piece)
+            sampled += [h for h in map(hash, zip(piece)) if h < threshold]
         self.prompt_tokens += prompt_tokens
-        self.paged_tokens += len(looked) * self.page_tokens
+        self.paged_tokens += looked * self.page_tokens
         if not sampled:
             return
-        self._lookup(sampled)
+        self._lookup(sampled, pace)
         if self._sims:
-            self._simulate(sampled)
-        self._touch(sampled)
+            self._simulate(sampled, pace)
+        self._touch(sampled, pace)
 
-    def _simulate(self, sampled: list[int]) -> None:
+    def _simulate(self, sampled: list[int], pace: Callable[[], None]) -> None:
         """Run the write-back simulations on the pages below their threshold (a fixed-size sample of their own)."""
         simulated, by_hash = self._simulated, self._sim_by_hash
         pages = [h for h in sampled if h < self.sim_threshold]
@@ -250,6 +270,7 @@ class CapacityModel:
             rate = (self.sim_threshold - _LOWEST) / _SPACE
             for sim in self._sims.values():
                 sim.access(pages, rate)
+                pace()
 
     def _unsimulate(self, h: int) -> None:
         """``h``, the simulated page of largest hash, leaves the simulations."""
@@ -259,37 +280,40 @@ class CapacityModel:
         for sim in self._sims.values():
             sim.forget(h)
 
-    def _lookup(self, sampled: list[int]) -> None:
+    def _lookup(self, sampled: list[int], pace: Callable[[], None]) -> None:
         """Each sampled page's distance before the request touches any (the lookup precedes the insert)."""
         weight = _SPACE / (self.threshold - _LOWEST)
         last, hist, clocks = self._last, self._hist, self._clocks
         live = len(clocks)
-        for h in sampled:
-            self.sampled += weight
-            used = last.get(h)
-            if used is None:
-                self.cold += weight
-                continue
-            distance = (live - bisect_right(clocks, used)) * weight  # distinct pages used since
-            hist[_bin(distance)] += weight
+        for piece in _pieces(sampled, pace):
+            for h in piece:
+                self.sampled += weight
+                used = last.get(h)
+                if used is None:
+                    self.cold += weight
+                    continue
+                distance = (live - bisect_right(clocks, used)) * weight  # distinct pages used since
+                hist[_bin(distance)] += weight
+        self._below_bin = None
 
-    def _touch(self, sampled: list[int]) -> None:
+    def _touch(self, sampled: list[int], pace: Callable[[], None]) -> None:
         """Last page first: a parent ends up more recent than its children."""
         last, clocks = self._last, self._clocks
-        for h in reversed(sampled):
-            if h >= self.threshold:  # left the sample while this request was touched
-                continue
-            self._clock += 1
-            used = last.get(h)
-            last[h] = self._clock
-            clocks.append(self._clock)  # the latest: the stack stays sorted
-            if used is not None:
-                del clocks[bisect_left(clocks, used)]
-            else:
-                if self._by_hash is not None:
-                    heapq.heappush(self._by_hash, -h)
-                if len(last) > self.max_keys:
-                    self._lower()
+        for piece in _pieces(sampled, pace, last_first=True):
+            for h in piece:
+                if h >= self.threshold:  # left the sample while this request was touched
+                    continue
+                self._clock += 1
+                used = last.get(h)
+                last[h] = self._clock
+                clocks.append(self._clock)  # the latest: the stack stays sorted
+                if used is not None:
+                    del clocks[bisect_left(clocks, used)]
+                else:
+                    if self._by_hash is not None:
+                        heapq.heappush(self._by_hash, -h)
+                    if len(last) > self.max_keys:
+                        self._lower()
 
     def _lower(self) -> None:
         """Drop the sampled page of largest hash; sample below it from now on (fixed-size SHARDS)."""
@@ -313,7 +337,9 @@ class CapacityModel:
         full = _bin(pages)
         lo, hi = _edges(full)
         partial = self._hist[full] * (pages - lo) / (hi - lo) if full < _BINS - 1 else self._hist[full]
-        return math.fsum(self._hist[:full]) + partial
+        if self._below_bin is None:  # summed once per change, not once per size read (a curve reads a dozen)
+            self._below_bin = array("d", itertools.accumulate(self._hist, initial=0.0))
+        return self._below_bin[full] + partial
 
     def curve(self, tiers: Sequence[TierCapacity], limits: Mapping[tuple[str, str], int] = {}) -> dict[str, TierCurve]:
         """The predicted ratio of each tier whose capacity is known (``tokens``, else ``limits[(tier, pool)]``) at
@@ -374,6 +400,18 @@ def _sizes(
         yield row, tokens, faster
         pages = tokens // page_tokens
         faster = max(pages, faster) if row.inclusive else faster + pages
+
+
+def _pieces(pages: list[int], pace: Callable[[], None], last_first: bool = False) -> Iterator[Iterable[int]]:
+    """``pages`` (``last_first``: in reverse) in pieces of :data:`PACE_PAGES`, ``pace`` called between two."""
+    if len(pages) <= PACE_PAGES:  # the common case, without a copy
+        yield reversed(pages) if last_first else pages
+        return
+    ordered = pages[::-1] if last_first else pages
+    for start in range(0, len(ordered), PACE_PAGES):
+        if start:
+            pace()
+        yield ordered[start : start + PACE_PAGES]
 
 
 def _bin(distance: float) -> int:
@@ -476,7 +514,8 @@ class _WriteBack:
 
 class CapacityFeed:
     """A producer's handle on the estimator (see the module docstring): ``put`` and ``seq`` are the bounded queue's
-    (``put((next(seq), payload, prompt_tokens))``), drained on the telemetry's host thread."""
+    (``put((next(seq), payload, prompt_tokens))``), drained on the telemetry's host thread, each lookup paced by
+    ``pace`` (the host thread's)."""
 
     def __init__(
         self,
@@ -486,10 +525,12 @@ class CapacityFeed:
         queue: Callable[[Callable[[tuple[Any, ...]], None]], Queue],
         *,
         max_keys: int = MAX_SAMPLED_KEYS,
+        pace: Callable[[], None] = _unpaced,
     ) -> None:
         self._model = CapacityModel(page_tokens, max_keys)
         self._tiers = check_tiers(tiers)
         self._keys = keys
+        self._pace = pace
         self._lock = threading.Lock()  # the host thread feeds the model; curve() reads it from any thread
         self._limits: Mapping[tuple[str, str], int] = {}
         self._model.simulate(self._tiers)
@@ -528,5 +569,5 @@ class CapacityFeed:
         """The host thread's: feed one queued lookup ``(seq, payload, prompt_tokens)`` to the model."""
         _, payload, prompt_tokens = entry
         keys = payload if self._keys is None else self._keys(payload)
-        with self._lock:
-            self._model.access(keys, int(prompt_tokens))
+        with self._lock:  # held while a long lookup pauses: a reader of the curve waits for the whole lookup
+            self._model.access(keys, int(prompt_tokens), self._pace)

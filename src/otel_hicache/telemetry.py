@@ -51,7 +51,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanContext
 
 from otel_hicache import semconv as sc
-from otel_hicache._internal.host import validation
+from otel_hicache._internal.host import pacing, validation
 from otel_hicache._internal.host.consumers import Consumer, InProcessConsumer
 from otel_hicache._internal.host.counting import Tally
 from otel_hicache._internal.host.deferred import Build, DeferredQueue
@@ -270,6 +270,7 @@ class HiCacheTelemetry:
             keys,
             lambda build: self._host.new_queue(build, RecordKind.CAPACITY, patient=True),
             max_keys=max_keys,
+            pace=pacing.pace,  # a long lookup keeps to the host thread's rounds
         )
         previous, self._host.capacity = self._host.capacity, feed
         if previous is not None:

@@ -11,16 +11,19 @@ import math
 import random
 import sys
 import threading
+import time
 import types
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import pytest
 
 from otel_hicache import semconv as sc
+from otel_hicache._internal.host.worker import HOST_THREAD_NAME
 from otel_hicache.capacity import (
     ERROR_BOUND,
     FOOTPRINT_BYTES,
     MAX_SAMPLED_KEYS,
+    PACE_PAGES,
     SIMULATION_BYTES,
     CapacityModel,
     TierCapacity,
@@ -63,7 +66,7 @@ def documents_workload(seed: int, requests: int, documents: int) -> list[Lookup]
     for _ in range(requests):
         doc = tokens[min(int(rng.paretovariate(1.0)) - 1, documents - 1)]
         prompt = doc[: rng.randint(1, len(doc))]
-        out.append((page_keys(prompt, PAGE), len(prompt)))
+        out.append((list(page_keys(prompt, PAGE)), len(prompt)))
     return out
 
 
@@ -98,6 +101,38 @@ class TestTheModel:
         model = model_of([(growing, 3 * PAGE), (growing, 3 * PAGE)])
         assert model.paged_tokens == 6 * PAGE
         assert model.hit_ratio(float("inf")) == pytest.approx(0.5)
+
+    def test_a_long_lookup_is_paced_every_few_pages_and_predicts_what_an_unpaced_one_does(self) -> None:
+        read = [0]  # keys the lookup has read so far
+        between: list[int] = []  # keys read between two calls of pace
+
+        def keys(prompt: list[int]) -> Iterator[int]:
+            for key in page_keys(prompt, 1):
+                read[0] += 1
+                yield key
+
+        def pace() -> None:
+            between.append(read[0] - sum(between))
+
+        prompts = [list(range(n)) for n in (4096, 3000, 4096)]  # shared prefixes: hits at every distance
+        paced, unpaced = CapacityModel(1), CapacityModel(1)
+        for prompt in prompts:
+            paced.access(keys(prompt), len(prompt), pace)
+            unpaced.access(page_keys(prompt, 1), len(prompt))
+        keys_per_piece = 4 * PACE_PAGES  # a page's key costs a quarter to a half of a sampled page's model work
+        assert max(between) <= keys_per_piece  # reading the keys: never more than a piece without a pause
+        key_pieces = sum(math.ceil(len(prompt) / keys_per_piece) for prompt in prompts)
+        model_pieces = sum(math.ceil(len(prompt) / PACE_PAGES) for prompt in prompts)
+        # between pieces: of the keys read, then of the lookup and of the touch of the pages read (all sampled here)
+        assert len(between) == key_pieces + 2 * model_pieces - 3 * len(prompts)
+        for pages in (1, 100, 3000, 4096, 8000):
+            assert paced.hit_ratio(pages) == unpaced.hit_ratio(pages), pages
+
+    def test_a_ratio_read_between_lookups_follows_the_next_lookup(self) -> None:
+        model = model_of([([1, 2], 2 * PAGE)])
+        assert model.hit_ratio(2) == 0.0  # read (and summed) before the repeat ...
+        model.access([1, 2], 2 * PAGE)
+        assert model.hit_ratio(2) == pytest.approx(0.5)  # ... and read again after it: both pages hit
 
     def test_each_tier_is_an_lru_of_its_effective_size(self) -> None:
         # a loop of 12 pages hits in an LRU of >= 12 pages only: each factor shows which effective size is >= 12
@@ -221,6 +256,25 @@ class TestTheFeed:
         finally:
             gate.set()
             sdk.shutdown()
+
+    def test_the_host_thread_pauses_within_a_long_lookup_as_its_rounds_do(
+        self, sdk: Sdk, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        sleep = time.sleep
+        feed = sdk.telemetry.capacity_feed(1, self.TIERS, keys=lambda ids: page_keys(ids, 1))
+        paused: list[tuple[str, bool]] = []  # (thread, inside the lookup: the feed's lock held)
+
+        def timed(seconds: float) -> None:
+            paused.append((threading.current_thread().name, feed._lock.locked()))
+            sleep(seconds)
+
+        monkeypatch.setattr(time, "sleep", timed)
+        prompt = list(range(32_768))  # one-token pages: a lookup of milliseconds, ~0.2 us a page on any machine
+        feed.put((next(feed.seq), prompt, len(prompt)))
+        sdk.telemetry.snapshot()  # waits for the lookup, at the host thread's pace
+        # one lookup, many slices long: the host thread paused in the middle of it, the GIL handed over meanwhile
+        assert (HOST_THREAD_NAME, True) in paused
+        assert feed.curve()["device"].hit_ratio["inf"] == 0.0  # counted whole: every page seen for the first time
 
     def test_keys_that_raise_are_counted_and_the_feed_goes_on(self, sdk: Sdk) -> None:
         feed = sdk.telemetry.capacity_feed(PAGE, self.TIERS, keys=lambda keys: [k / 1 for k in keys])

@@ -5,7 +5,9 @@ engine check; over OTLP by the constructor). Each round (:meth:`HostWorker.work`
 
 * reads the pool-usage sources and runs the engine checks about once a second (:data:`POOL_INTERVAL_S`);
 * builds deferred records, each queue oldest first, for the rest of a slice of :data:`SLICE_NS`
-  (:data:`BACKLOG_SLICE_NS` with a backlog), then pauses :data:`PAUSE_S` if more waits (:data:`BACKLOG_PAUSE_S`);
+  (:data:`BACKLOG_SLICE_NS` with a backlog), then pauses :data:`PAUSE_S` if more waits (:data:`BACKLOG_PAUSE_S`); a
+  build that outlasts its slice (a capacity lookup of a long prompt) pauses within itself the same way
+  (:mod:`~otel_hicache._internal.host.pacing`);
 * tends the consumer about once a second (:data:`TEND_INTERVAL_S`): moves the counters into shared memory once it can
   be had, relays the export process's log lines, replaces an exporter that died;
 * in-process, turns the ring's records into spans and points in slices, at least every flush interval.
@@ -25,26 +27,23 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec
 
-from otel_hicache._internal.host import fork, validation
+from otel_hicache._internal.host import fork, pacing, validation
 from otel_hicache._internal.host.consumers import Consumer
 from otel_hicache._internal.host.counting import Tally
 from otel_hicache._internal.host.deferred import Build, DeferredQueue
+from otel_hicache._internal.host.pacing import SLICE_NS
 from otel_hicache._internal.host.validation import Rejected
 from otel_hicache._internal.shared.channel import Channel
 from otel_hicache.capacity import CapacityFeed
 from otel_hicache.records import PoolUsage, TransferRecord
 from otel_hicache.semconv import CAPACITY_FACTORS, Problem, RecordKind
 
-#: How long a host thread works before pausing so the scheduler thread can take the GIL (the record in hand is
-#: finished first): no round holds the GIL for more than 200 us (``benchmarks loop``).
-SLICE_NS = 50_000
 #: The pause after a busy round: the scheduler thread runs undisturbed at least this long. Every round costs the
 #: scheduler thread beyond the round itself (a hand-over of the GIL, caches it finds cold), so fewer rounds cost it
 #: less: on SGLang's real path, 1 ms pauses cost its scheduler thread about half what 0.2 ms pauses did per transfer
@@ -87,8 +86,6 @@ PoolSource = Callable[[], Iterable[PoolUsage]]
 #: An engine self-check: the names of our instruments whose totals disagree with the engine's own counters.
 EngineCheck = Callable[[], Iterable[str]]
 _P = ParamSpec("_P")
-#: Lets go of the GIL and of the CPU for a moment (no timer: a wake costs tens of microseconds of CPU on a VM).
-_let_go: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
 _log = logging.getLogger("otel_hicache.telemetry")
 
 
@@ -115,6 +112,7 @@ class HostWorker:
         self._interval_s = interval_s
         self.shared = shared
         self.capacity: CapacityFeed | None = None  # the process's capacity estimator, when a producer feeds one
+        self.schedule = pacing.Schedule()  # the host thread's slices in its round, which a long build keeps to
         self.pool_sources: list[PoolSource] = []
         self.engine_checks: list[EngineCheck] = []
         self._checking = threading.Lock()  # one run of the engine checks at a time; a check may call snapshot()
@@ -250,7 +248,11 @@ class HostWorker:
         backlog = self.waiting() > self._max_queue * BACKLOG_SHARE
         slice_ns, pause_s = (BACKLOG_SLICE_NS, BACKLOG_PAUSE_S) if backlog else (SLICE_NS, PAUSE_S)
         # the once-a-second work above is part of this round's slice: a round stays within it
-        more = self._build_deferred(started + slice_ns - time.perf_counter_ns())
+        schedule = self.schedule
+        schedule.end_ns, schedule.slice_ns, schedule.pause_s = started + slice_ns, slice_ns, pause_s
+        if self._hurried:
+            schedule.pause_s = 0.0
+        more = self._build_deferred(schedule)
         if self._hurried:  # a flush waits: only let go of the GIL between slices, and say when all is built
             pause_s = 0.0
             if not more:
@@ -273,10 +275,10 @@ class HostWorker:
     def tick_s(self) -> float:
         return min(self._interval_s, DEFERRED_TICK_S) if self._tick_s <= DEFERRED_TICK_S else self._tick_s
 
-    def _build_deferred(self, budget_ns: int) -> bool:
+    def _build_deferred(self, schedule: pacing.Schedule) -> bool:
         """Build and count deferred records, each queue oldest first (a batched one: up to BATCH_ENTRIES in one
-        build), for at most ``budget_ns``. True if some remain. Only the host thread takes from the queues."""
-        end = time.perf_counter_ns() + budget_ns
+        build), until ``schedule``'s slice ends (a long build pauses within itself as the round would,
+        :func:`~.pacing.pace`). True if some remain. Only the host thread takes from the queues."""
         for queue in list(self.queues):
             while queue:
                 self._building = True
@@ -296,7 +298,7 @@ class HostWorker:
                         self._count(record)  # not a record: refused as malformed
                 finally:
                     self._building = False
-                if time.perf_counter_ns() >= end:
+                if time.perf_counter_ns() >= schedule.end_ns:
                     return any(self.queues)
             if queue.closed and not queue:
                 self.queues.remove(queue)
@@ -523,11 +525,15 @@ def _run(ref: weakref.ref[HostWorker], wake: threading.Event) -> None:
     the GIL back."""
     state = {"pools": 0.0, "drain": 0.0, "tend": 0.0}
     tick, pause = DEFERRED_TICK_S, None
+    worker = ref()
+    if worker is not None:
+        pacing.keeping(worker.schedule)  # its long builds pace themselves by it
+        del worker
     while True:
         if pause:
             time.sleep(pause)
         elif pause is not None:  # a flush waits: only let go of the GIL (time.sleep(0) would cost a wake as well)
-            _let_go()
+            pacing.let_go()
         else:
             wake.wait(tick)
             wake.clear()

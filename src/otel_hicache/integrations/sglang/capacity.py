@@ -30,7 +30,7 @@ Like every token-counted instrument, the curve is reported by one rank of each a
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity, page_keys
@@ -82,11 +82,12 @@ class CapacityHooks(CapacityFeeder):
         return telemetry.capacity_feed(page, tiers, keys=lambda req: request_keys(req, page))
 
 
-def request_keys(req: Any, page_tokens: int) -> list[Hashable]:
-    """The keys of ``req``'s full prompt pages (host thread): a hash chain over its token ids per page, in the
-    namespace SGLang's radix tree keys it in (``extra_key``, ``cache_salt``)."""
-    keys: list[Hashable] = list(page_keys(req.origin_input_ids, page_tokens))
+def request_keys(req: Any, page_tokens: int) -> Iterator[Hashable]:
+    """The keys of ``req``'s full prompt pages (host thread), lazily (the estimator reads them a piece at a time): a
+    hash chain over its token ids per page, in the namespace SGLang's radix tree keys it in (``extra_key``,
+    ``cache_salt``)."""
+    keys = page_keys(req.origin_input_ids, page_tokens)
     namespace = (getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
     if namespace != (None, None):
-        keys = [hash((namespace, key)) for key in keys]
+        return (hash((namespace, key)) for key in keys)
     return keys
