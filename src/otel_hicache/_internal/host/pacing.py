@@ -14,8 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 
-#: How long a host thread works before pausing so the scheduler thread can take the GIL (a build longer than that
-#: pauses within itself, :func:`pace`): no round holds the GIL for more than 200 us (``benchmarks loop``).
+#: How long a host thread works before pausing so the scheduler thread can take the GIL (the build in hand is finished
+#: first; a long one pauses within itself, :func:`pace`): no round holds the GIL for more than 200 us (``benchmarks
+#: loop``).
 SLICE_NS = 50_000
 #: The longest a round holds the GIL before a long build in it pauses (``benchmarks loop``'s goal for a round). Not
 #: the slice: every pause costs a wake and two hand-overs of the GIL, and a lookup that pauses every slice paid about
