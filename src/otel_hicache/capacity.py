@@ -235,14 +235,12 @@ class CapacityModel:
         """One request's prefix lookup: its page keys, first page first, and its prompt's length in tokens. ``pace``
         is called between pieces of the lookup (:data:`PACE_PAGES`), where a long one may pause."""
         wanted, threshold, pending = prompt_tokens // self.page_tokens, self.threshold, iter(keys)
-        looked, per_piece = 0, 4 * PACE_PAGES
-        sampled: list[int] = []
-        while looked < wanted:
-            if looked:
-                pace()
-            piece = list(itertools.islice(pending, min(per_piece, wanted - looked)))
-            if not piece:
-                break
+        piece = list(itertools.islice(pending, wanted if wanted <= 4 * PACE_PAGES else 4 * PACE_PAGES))
+        looked = len(piece)
+        sampled = [h for h in map(hash, zip(piece)) if h < threshold]
+        while piece and looked < wanted:  # a long prompt: its other keys, a piece at a time
+            pace()
+            piece = list(itertools.islice(pending, min(4 * PACE_PAGES, wanted - looked)))
             looked += len(piece)
             sampled += [h for h in map(hash, zip(piece)) if h < threshold]
         self.prompt_tokens += prompt_tokens
@@ -402,16 +400,18 @@ def _sizes(
         faster = max(pages, faster) if row.inclusive else faster + pages
 
 
-def _pieces(pages: list[int], pace: Callable[[], None], last_first: bool = False) -> Iterator[Iterable[int]]:
+def _pieces(pages: list[int], pace: Callable[[], None], last_first: bool = False) -> Iterable[Iterable[int]]:
     """``pages`` (``last_first``: in reverse) in pieces of :data:`PACE_PAGES`, ``pace`` called between two."""
-    if len(pages) <= PACE_PAGES:  # the common case, without a copy
-        yield reversed(pages) if last_first else pages
-        return
-    ordered = pages[::-1] if last_first else pages
-    for start in range(0, len(ordered), PACE_PAGES):
+    if len(pages) <= PACE_PAGES:  # the common case: one piece, no copy, no generator
+        return (reversed(pages) if last_first else pages,)
+    return _paced(pages[::-1] if last_first else pages, pace)
+
+
+def _paced(pages: list[int], pace: Callable[[], None]) -> Iterator[list[int]]:
+    for start in range(0, len(pages), PACE_PAGES):
         if start:
             pace()
-        yield ordered[start : start + PACE_PAGES]
+        yield pages[start : start + PACE_PAGES]
 
 
 def _bin(distance: float) -> int:
