@@ -40,11 +40,16 @@ class Schedule:
     def pace(self) -> None:
         """Within a build: once the round has held the GIL :data:`MAX_HOLD_NS`, pause, then a new slice."""
         if time.perf_counter_ns() >= self.end_ns - self.slice_ns + MAX_HOLD_NS:
-            if self.pause_s:
-                time.sleep(self.pause_s)
-            else:
-                let_go()
+            pause(self.pause_s)
             self.end_ns = time.perf_counter_ns() + self.slice_ns
+
+
+def pause(seconds: float) -> None:
+    """A round's pause: sleeps ``seconds``, or (0: while a flush waits) only lets go of the GIL."""
+    if seconds:
+        time.sleep(seconds)
+    else:
+        let_go()
 
 
 _current = threading.local()

@@ -530,10 +530,8 @@ def _run(ref: weakref.ref[HostWorker], wake: threading.Event) -> None:
         pacing.keeping(worker.schedule)  # its long builds pace themselves by it
         del worker
     while True:
-        if pause:
-            time.sleep(pause)
-        elif pause is not None:  # a flush waits: only let go of the GIL (time.sleep(0) would cost a wake as well)
-            pacing.let_go()
+        if pause is not None:  # 0: a flush waits, only let go of the GIL (time.sleep(0) would cost a wake as well)
+            pacing.pause(pause)
         else:
             wake.wait(tick)
             wake.clear()
