@@ -63,18 +63,18 @@ def one_thread() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def serving(policy: str, device: int, host: int) -> Iterator[Served]:
+def serving(policy: str, device: int, host: int, page: int = PAGE) -> Iterator[Served]:
     """A served cache, closed at the end. Predictions are read while it lives: the host tier is sized by its pool's
     reading, which goes with the cache (as in a server, where the cache lives as long as the process)."""
-    served = Served(policy, device, host, page_size=PAGE)
+    served = Served(policy, device, host, page_size=page)
     try:
         yield served
     finally:
         served.close()
 
 
-def serve(policy: str, device: int, host: int, prompts: list[list[int]]) -> PrefixSplit:
-    with serving(policy, device, host) as served:
+def serve(policy: str, device: int, host: int, prompts: list[list[int]], page: int = PAGE) -> PrefixSplit:
+    with serving(policy, device, host, page) as served:
         return served.serve(prompts)
 
 
@@ -91,19 +91,22 @@ def predictions(otel: Sdk) -> dict[tuple[str, str], float]:
 
 
 @pytest.mark.parametrize(
-    ("workload", "policy"),
+    ("workload", "policy", "page"),
     [
-        ("chats", "write_through"),
-        ("documents", "write_through"),
-        ("scan", "write_through"),
-        ("documents", "write_back"),
+        ("chats", "write_through", PAGE),
+        ("documents", "write_through", PAGE),
+        ("scan", "write_through", PAGE),
+        ("documents", "write_back", PAGE),
+        # SGLang's default page of one token: prompts of 72 to 360 pages, keyed per page below 96 pages and with numpy
+        # from there (otel_hicache.prefix_keys), their shared documents the same keys either way
+        ("documents", "write_through", 1),
     ],
 )
 def test_each_prediction_is_what_rerunning_sglang_at_that_size_observes(
-    workload: str, policy: str, instrumented: Sdk, one_thread: None
+    workload: str, policy: str, page: int, instrumented: Sdk, one_thread: None
 ) -> None:
     prompts = list(itertools.islice(WORKLOADS[workload](), REQUESTS))
-    with serving(policy, DEVICE, HOST) as served:
+    with serving(policy, DEVICE, HOST, page) as served:
         today = served.serve(prompts)
         predicted = predictions(instrumented)
     assert {tier for tier, _ in predicted} == {"device", "host"}
@@ -114,7 +117,7 @@ def test_each_prediction_is_what_rerunning_sglang_at_that_size_observes(
         errors[tier, "1"] = predicted[tier, "1"] - observed(today, tier)
     with suppress_instrumentation():  # the re-runs feed nothing
         for (tier, factor), (device, host) in RERUNS.items():
-            errors[tier, factor] = predicted[tier, factor] - observed(serve(policy, device, host, prompts), tier)
+            errors[tier, factor] = predicted[tier, factor] - observed(serve(policy, device, host, prompts, page), tier)
     report = {key: round(100 * error, 1) for key, error in errors.items()}
     assert all(abs(error) <= 0.02 for (_, factor), error in errors.items() if factor == "1"), report
     assert all(abs(error) <= 0.03 for error in errors.values()), report
@@ -238,3 +241,30 @@ def test_a_new_request_reusing_a_finished_ones_rid_is_a_new_admission(instrument
         PrefillStats.from_adder(adder, running_reqs=[])
 
     assert predictions(instrumented)["device", "inf"] > 0  # the second lookup of the prompt hit its pages
+
+
+def test_requests_in_other_cache_namespaces_share_no_page(cpu_sglang: Any) -> None:
+    """SGLang's radix tree keys a request's prompt in its ``extra_key`` and ``cache_salt``: the same tokens under
+    another salt are other pages, in the estimator too; at one-token pages, numpy's keys (a long prompt) and the
+    per-page ones (a short prompt that starts it) agree."""
+    from otel_hicache.integrations.sglang.capacity import request_keys
+    from otel_hicache.prefix_keys import VECTOR_PAGES, VectorKeys
+    from otel_hicache.testing.sglang import make_request
+
+    tokens = list(range(1, 4 * VECTOR_PAGES))
+
+    def keys(tokens: list[int], salt: str | None = None, page: int = 1) -> list[Any]:
+        req = make_request(tokens, "r")
+        req.cache_salt = salt
+        return list(request_keys(req, page))
+
+    req = make_request(tokens, "r")
+    keyed = request_keys(req, 1)
+    assert isinstance(keyed, VectorKeys)  # SGLang's array('q')
+    req.origin_input_ids.append(7)  # the engine may still resize its array: ours is a copy
+    assert list(keyed) == keys(tokens)
+    for page in (1, PAGE):
+        plain, salted = keys(tokens, page=page), keys(tokens, "salt", page)
+        assert not set(plain) & set(salted)
+        assert keys(tokens, "salt", page) == salted
+        assert keys(tokens[: 10 * page], "salt", page) == salted[:10]

@@ -30,7 +30,7 @@ Like every token-counted instrument, the curve is reported by one rank of each a
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity, page_keys
@@ -82,12 +82,9 @@ class CapacityHooks(CapacityFeeder):
         return telemetry.capacity_feed(page, tiers, keys=lambda req: request_keys(req, page))
 
 
-def request_keys(req: Any, page_tokens: int) -> Iterator[Hashable]:
+def request_keys(req: Any, page_tokens: int) -> Iterable[Hashable]:
     """The keys of ``req``'s full prompt pages (host thread), lazily (the estimator reads them a piece at a time): a
     hash chain over its token ids per page, in the namespace SGLang's radix tree keys it in (``extra_key``,
-    ``cache_salt``)."""
-    keys = page_keys(req.origin_input_ids, page_tokens)
+    ``cache_salt``: the chain's seed)."""
     namespace = (getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
-    if namespace != (None, None):
-        return (hash((namespace, key)) for key in keys)
-    return keys
+    return page_keys(req.origin_input_ids, page_tokens, 0 if namespace == (None, None) else hash(namespace))
