@@ -13,10 +13,14 @@ Run in each engine's venv::
   each time), and apart, what any wrapper costs per batch. Thread CPU time, median of blocks.
 * **Host process**: the telemetry host thread's work for one admitted 4,096-token request - its page keys (SGLang:
   hashed from its token ids, at page sizes 1 and 16; vLLM: its own block hashes, 16-token blocks) and the estimator's
-  update - on a model warmed with 5,000 requests of a Zipf-over-documents workload (sampling at its fixed size).
+  update - on a model warmed with 5,000 requests of a Zipf-over-documents workload (sampling at its fixed size); and
+  per request of that workload itself (prompts of ~830 tokens on average), once the first 3,000 have filled the
+  sample.
 * **How long the host thread holds the GIL at a stretch** (SGLang): while it builds 40 such lookups at its own pace,
   its CPU time between two of its pauses (each lets the scheduler thread have the GIL; garbage collection off
-  meanwhile: a collection of a large heap runs on whichever thread triggers it): the 99th percentile and the longest.
+  meanwhile: a collection of a large heap runs on whichever thread triggers it): the 99th percentile and the longest,
+  and how many pauses it takes per lookup (each a round the scheduler thread pays for: a wake and two hand-overs of
+  the GIL, ``benchmarks sglang``'s control).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any, SupportsIndex
 
 PROMPT_TOKENS = 4096
 WARM_REQUESTS = 5_000
+FILLED = 3_000
 
 
 def _thread_ns(call: Callable[[], object], n: int, blocks: int = 15) -> float:
@@ -69,17 +74,25 @@ def _passthrough(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ..
     return wrapped(*args, **kwargs)
 
 
-def _warm(feed: Any, keys: Callable[[list[int]], Any]) -> None:
+def _warm(feed: Any, payload: Callable[[list[int]], Any]) -> float:
+    """Feed ``feed`` :data:`WARM_REQUESTS` lookups of a Zipf-over-documents workload (prompts of ~830 tokens on
+    average); the thread CPU per lookup (ns) of those after the first :data:`FILLED` (the sample full by then)."""
     from otel_hicache.testing.workloads import documents
 
-    for prompt in itertools.islice(documents(seed=3, count=2000, scale=4), WARM_REQUESTS):
-        feed.build((0, keys(prompt), len(prompt)))
+    entries = [(0, payload(p), len(p)) for p in itertools.islice(documents(seed=3, count=2000, scale=4), WARM_REQUESTS)]
+    for entry in entries[:FILLED]:
+        feed.build(entry)
+    t0 = time.thread_time_ns()
+    for entry in entries[FILLED:]:
+        feed.build(entry)
+    return (time.thread_time_ns() - t0) / (WARM_REQUESTS - FILLED)
 
 
-def _longest_holds(telemetry: Any, feed: Any, entry: tuple[int, Any, int], lookups: int) -> tuple[float, float]:
+def _longest_holds(telemetry: Any, feed: Any, entry: tuple[int, Any, int], lookups: int) -> tuple[float, float, float]:
     """The telemetry's host thread's stretches of work between two of its pauses (each pause lets the scheduler thread
     have the GIL) while it builds ``lookups`` copies of ``entry`` at its own pace: CPU time (no wait for the GIL in it),
-    the 99th percentile and the longest, ns. Its pauses are seen by wrapping ``time.sleep`` meanwhile."""
+    the 99th percentile and the longest, ns, and its pauses per lookup (each a round for the scheduler thread: a wake
+    and two hand-overs of the GIL). Its pauses are seen by wrapping ``time.sleep`` meanwhile."""
     from otel_hicache._internal.host.worker import HOST_THREAD_NAME
 
     host = telemetry._host  # its HostWorker: the queue is drained when nothing waits and nothing is being built
@@ -107,15 +120,17 @@ def _longest_holds(telemetry: Any, feed: Any, entry: tuple[int, Any, int], looku
     finally:
         time.sleep = sleep
         gc.enable()
+    pauses = len(holds) + 1
     holds.sort()
-    return holds[int(0.99 * len(holds))], holds[-1]
+    return holds[int(0.99 * len(holds))], holds[-1], pauses / lookups
 
 
-def _all_keys(req: Any, page: int) -> list[Any]:
-    """Every page key of SGLang's request ``req`` (the estimator reads them lazily, with the lookup)."""
+def _sampled_keys(model: Any, req: Any, page: int) -> tuple[int, list[int]]:
+    """Every page key of SGLang's request ``req`` and its sampling hash, the sampled ones kept: the estimator's work
+    before its model's (it reads them lazily, with the lookup)."""
     from otel_hicache.integrations.sglang.capacity import request_keys
 
-    return list(request_keys(req, page))
+    return model.sample(request_keys(req, page), PROMPT_TOKENS)
 
 
 def _row(engine: str, what: str, ns: float) -> str:
@@ -139,8 +154,27 @@ def sglang() -> list[str]:
     install_cpu_shims()
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
-    rows = []
     telemetry = HiCacheTelemetry(meter_provider=MeterProvider())
+    # The host thread's part first: the scheduler thread's hands over lookups by the thousand, which its host thread
+    # would build meanwhile.
+    host_rows = []
+    for page in (1, 16):
+        tiers = (TierCapacity(Tier.DEVICE, 1 << 20), TierCapacity(Tier.HOST, 1 << 21))
+        feed = telemetry.capacity_feed(page, tiers, keys=functools.partial(request_keys, page_tokens=page))
+        mixed = _warm(feed, lambda prompt: make_request(prompt, "warm"))
+        what = f"host thread, Zipf over documents (~830 tokens a prompt), page {page}: keys + model"
+        host_rows.append(_row("SGLang 0.5.23", what, mixed))
+        request = make_request(list(range(7, 7 + PROMPT_TOKENS)), "bench")
+        entry = (0, request, PROMPT_TOKENS)
+        keys = _thread_ns(functools.partial(_sampled_keys, feed._model, request, page), 20, blocks=7)
+        total = _thread_ns(functools.partial(feed.build, entry), 20, blocks=7)
+        host_rows.append(_row("SGLang 0.5.23", f"host thread, 4,096-token request, page {page}: keys, sampled", keys))
+        host_rows.append(_row("SGLang 0.5.23", f"host thread, 4,096-token request, page {page}: keys + model", total))
+        p99, longest, pauses = _longest_holds(telemetry, feed, entry, 40)
+        what = f"host thread's CPU between two pauses while it builds those, page {page}: p99 / longest"
+        host_rows.append(f"| SGLang 0.5.23 | {what} | {p99 / 1000:,.0f} / {longest / 1000:,.0f} |")
+        host_rows.append(f"| SGLang 0.5.23 | and its pauses per lookup, page {page} | {pauses:.2f} |")
+
     served = Served("write_through", 8192, 16384, page_size=16)
     req = make_request(list(range(1, PROMPT_TOKENS + 1)), "bench")
     req.init_next_round_input(served.cache)
@@ -161,27 +195,14 @@ def sglang() -> list[str]:
         hooks.admissions(adder)
 
     cost = _thread_ns(admissions, n, blocks) - _thread_ns(batch_of_one, n, blocks)
-    rows.append(_row("SGLang 0.5.23", "scheduler thread: in its batch's `from_adder` wrapper", cost))
+    rows = [_row("SGLang 0.5.23", "scheduler thread: in its batch's `from_adder` wrapper", cost)]
     guard = _wrapped_cost(_passthrough, adder, (req, None, 0))
     rows.append(
         _row("SGLang 0.5.23", "and per batch: any wrapper of the instrumentor (wrapt + failure-rule guard)", guard)
     )
     served.close()
-    for page in (1, 16):
-        tiers = (TierCapacity(Tier.DEVICE, 1 << 20), TierCapacity(Tier.HOST, 1 << 21))
-        feed = telemetry.capacity_feed(page, tiers, keys=functools.partial(request_keys, page_tokens=page))
-        _warm(feed, lambda prompt: make_request(prompt, "warm"))
-        request = make_request(list(range(7, 7 + PROMPT_TOKENS)), "bench")
-        entry = (0, request, PROMPT_TOKENS)
-        keys = _thread_ns(functools.partial(_all_keys, request, page), 20, blocks=7)
-        total = _thread_ns(functools.partial(feed.build, entry), 20, blocks=7)
-        rows.append(_row("SGLang 0.5.23", f"host thread, 4,096-token request, page {page}: keys", keys))
-        rows.append(_row("SGLang 0.5.23", f"host thread, 4,096-token request, page {page}: keys + model", total))
-        p99, longest = _longest_holds(telemetry, feed, entry, 40)
-        what = f"host thread's CPU between two pauses while it builds those, page {page}: p99 / longest"
-        rows.append(f"| SGLang 0.5.23 | {what} | {p99 / 1000:,.0f} / {longest / 1000:,.0f} |")
     telemetry.shutdown()
-    return rows
+    return rows + host_rows
 
 
 def vllm() -> list[str]:
@@ -216,7 +237,8 @@ def vllm() -> list[str]:
     rows.append(_row("vLLM 0.32", "scheduler thread: `record_prefix_cache_stats` wrapped", cost))
     guard = _wrapped_cost(_passthrough, None, (admitted, 0))
     rows.append(_row("vLLM 0.32", "of which any wrapper of the instrumentor (wrapt + failure-rule guard)", guard))
-    _warm(feed, lambda prompt: request(prompt).block_hashes)
+    mixed = _warm(feed, lambda prompt: request(prompt).block_hashes)
+    rows.append(_row("vLLM 0.32", "host thread, Zipf over documents (~830 tokens a prompt), block 16: model", mixed))
     entry = (0, request(list(range(7, 7 + PROMPT_TOKENS))).block_hashes, PROMPT_TOKENS)
     model = _thread_ns(functools.partial(feed.build, entry), 20, blocks=7)
     rows.append(_row("vLLM 0.32", "host thread, 4,096-token request, block 16: model (keys: vLLM's)", model))
