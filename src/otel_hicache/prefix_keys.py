@@ -73,20 +73,22 @@ def _linear_chain(tokens: Sequence[int], page_tokens: int, seed: int) -> Iterato
 
 
 def _as_int64(numpy: Any, tokens: Sequence[int]) -> Any:
-    """``tokens`` as an int64 array of our own, or None where Python hashes some id to another value (negative, or
-    ``2**61 - 1`` and above)."""
+    """``tokens`` as an int64 array of our own, or None unless every id is an int Python hashes to itself (in
+    ``[0, 2**61 - 1)``: not a float, not negative)."""
     if isinstance(tokens, array) and tokens.itemsize == 8 and tokens.typecode in "ql":
         # SGLang's array('q'): copied by the array itself (one memcpy, the GIL held), never viewed - a view exports its
         # buffer, and the engine resizing the array meanwhile would raise BufferError on its own thread
         ids = numpy.frombuffer(tokens.tobytes(), dtype=numpy.int64)
     else:
         try:
-            ids = numpy.asarray(tokens, dtype=numpy.int64)
-        except (TypeError, ValueError, OverflowError):
+            ids = numpy.array(tokens)  # a copy, whatever it was
+        except (TypeError, ValueError):
             return None
-    if ids.ndim != 1 or (len(ids) and (ids.min() < 0 or ids.max() >= _M61)):
+        if ids.ndim != 1 or ids.dtype.kind not in "biu":
+            return None
+    if len(ids) and (ids.min() < 0 or ids.max() >= _M61):
         return None
-    return ids
+    return ids.astype(numpy.int64, copy=False)
 
 
 class VectorKeys:

@@ -73,13 +73,13 @@ class TestSmallPages:
         assert sampled == [h for h in (hash((key,)) for key in list(keys)[:looked]) if h < threshold]
         assert len(paces) == 1  # between the two pieces
 
-    @pytest.mark.parametrize("odd", [-3, (1 << 61) - 1, (1 << 62)])
-    def test_ids_python_hashes_to_another_value_are_keyed_per_page(self, odd: int) -> None:
-        tokens = list(prompt(2 * VECTOR_PAGES, 1))
-        clean = page_keys(tokens, 1)
+    @pytest.mark.parametrize("odd", [-3, (1 << 61) - 1, (1 << 62), 1 << 70, 2.5])
+    def test_ids_python_hashes_to_another_value_are_keyed_per_page(self, odd: float) -> None:
+        tokens: list[float] = list(prompt(2 * VECTOR_PAGES, 1))
+        clean = page_keys(tokens, 1)  # type: ignore[arg-type]  # an engine's ids need not be ints
         assert isinstance(clean, VectorKeys)
         tokens[VECTOR_PAGES] = odd
-        keys = page_keys(tokens, 1)
+        keys = page_keys(tokens, 1)  # type: ignore[arg-type]
         assert not isinstance(keys, VectorKeys)
         assert list(keys)[:VECTOR_PAGES] == list(clean)[:VECTOR_PAGES]
 
