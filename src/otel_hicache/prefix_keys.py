@@ -11,8 +11,9 @@ Two chains, by page size, each the same whatever computes it:
   :data:`VECTOR_PAGES` pages or more is keyed with numpy (prefix sums over powers of ``B``), and its sampling hashes
   (Python's ``hash((key,))``, what :class:`~otel_hicache.capacity.CapacityModel` samples by) are computed the same
   way: ~70 us for 4,096 one-token pages. numpy is used only where the process has already imported it (every engine
-  does): nothing is imported for it. Token ids outside ``[0, 2**61 - 1)`` (Python hashes them otherwise) are keyed by
-  the per-page chain.
+  does): nothing is imported for it. Only a list, a tuple or an ``array.array`` of ints in ``[0, 2**61 - 1)`` (ints
+  Python hashes to themselves) goes to numpy; any other prompt is keyed by the per-page chain (an ``int`` subclass
+  with a ``__hash__`` of its own would be keyed by its value there).
 
 The linear chain modulo 2**64 collides for some crafted prompts (Thue-Morse sequences of two pages' hashes, thousands of
 pages long): two such prefixes would count as one page in the estimate, nothing else.
@@ -50,7 +51,13 @@ def page_keys(tokens: Sequence[int], page_tokens: int, seed: int = 0) -> Iterato
     if page_tokens >= SMALL_PAGE_TOKENS:
         return _tuple_chain(tokens, page_tokens, seed)
     numpy = sys.modules.get("numpy")
-    if numpy is not None and len(tokens) // page_tokens >= VECTOR_PAGES:
+    if (
+        numpy is not None
+        and type(page_tokens) is int
+        and page_tokens > 0
+        and type(tokens) in _VECTOR_TYPES  # not a subclass (of a list with an __array__ of its own, say)
+        and len(tokens) // page_tokens >= VECTOR_PAGES
+    ):
         ids = _as_int64(numpy, tokens)
         if ids is not None:
             return VectorKeys(numpy, ids, page_tokens, seed)
@@ -72,16 +79,25 @@ def _linear_chain(tokens: Sequence[int], page_tokens: int, seed: int) -> Iterato
         yield chain >> _SHIFT
 
 
+#: What an engine holds a prompt in (SGLang: an ``array('q')``, once a list) and numpy copies without exporting a
+#: buffer the engine may resize meanwhile; anything else is keyed one page at a time.
+_VECTOR_TYPES = (list, tuple, array)
+
+
 def _as_int64(numpy: Any, tokens: Sequence[int]) -> Any:
     """``tokens`` as an int64 array of our own, or None unless every id is an int Python hashes to itself (in
     ``[0, 2**61 - 1)``: not a float, not negative)."""
-    if isinstance(tokens, array) and tokens.itemsize == 8 and tokens.typecode in "ql":
-        # SGLang's array('q'): copied by the array itself (one memcpy, the GIL held), never viewed - a view exports its
-        # buffer, and the engine resizing the array meanwhile would raise BufferError on its own thread
-        ids = numpy.frombuffer(tokens.tobytes(), dtype=numpy.int64)
+    if isinstance(tokens, array):
+        if tokens.typecode not in "bBhHiIlLqQ":  # not ints (floats, unicode characters)
+            return None
+        # copied by the array itself (one memcpy, the GIL held), never viewed: numpy reading the array exports its
+        # buffer (and lets go of the GIL for a long copy), and the engine resizing it meanwhile would raise
+        # BufferError on its own thread
+        signed = "i" if tokens.typecode.islower() else "u"
+        ids = numpy.frombuffer(tokens.tobytes(), dtype=numpy.dtype(f"{signed}{tokens.itemsize}"))
     else:
         try:
-            ids = numpy.array(tokens)  # a copy, whatever it was
+            ids = numpy.array(tokens)  # from Python objects: the GIL held throughout
         except (TypeError, ValueError):
             return None
         if ids.ndim != 1 or ids.dtype.kind not in "biu":

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
+import time
 from array import array
+from collections.abc import Callable, Iterable
 
-import numpy  # noqa: F401  (loaded: page_keys uses numpy only where the process has imported it)
+import numpy  # loaded: page_keys uses numpy only where the process has imported it
 import pytest
 
 from otel_hicache.capacity import CapacityModel, page_keys
-from otel_hicache.prefix_keys import SMALL_PAGE_TOKENS, VECTOR_PAGES, VECTOR_PIECE, VectorKeys
+from otel_hicache.prefix_keys import SMALL_PAGE_TOKENS, VECTOR_PAGES, VECTOR_PIECE, VectorKeys, _linear_chain
 
 #: Past the 64-bit signed range of the sampling hashes: every page is sampled.
 EVERY_PAGE = 1 << 63
@@ -52,12 +55,63 @@ class TestSmallPages:
         assert mine[:VECTOR_PAGES] == theirs[:VECTOR_PAGES]
         assert not set(mine[VECTOR_PAGES:]) & set(theirs[VECTOR_PAGES:])
 
-    def test_the_ids_are_copied_so_the_engine_may_still_resize_its_array(self) -> None:
-        tokens = prompt(VECTOR_PAGES, 1)
+    @pytest.mark.parametrize("typecode", ["q", "l", "i", "Q", "H", "b"])
+    def test_an_arrays_ids_are_copied_so_the_engine_may_still_resize_it(self, typecode: str) -> None:
+        tokens = array(typecode, (i % 100 for i in prompt(VECTOR_PAGES, 1)))
         keys = page_keys(tokens, 1)
         assert isinstance(keys, VectorKeys)
         tokens.append(5)  # an array exporting its buffer (a view) would raise BufferError here, on the engine's thread
-        assert list(keys) == list(page_keys(tokens[:VECTOR_PAGES], 1))
+        assert list(keys) == list(_linear_chain(tokens[:VECTOR_PAGES], 1, 0))
+
+    def test_an_engine_thread_resizing_its_array_meanwhile_never_fails(self) -> None:
+        """numpy reading an array exports its buffer and lets go of the GIL for a long copy: a resize on the engine's
+        thread meanwhile would raise BufferError there. The ids are copied by the array itself."""
+        tokens, errors, stop = array("i", range(4 * VECTOR_PIECE)), [], threading.Event()
+
+        def engine() -> None:
+            while not stop.is_set():
+                try:
+                    tokens.append(1)
+                    tokens.pop()
+                except BufferError as exc:
+                    errors.append(exc)
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # hand the GIL over as often as it can be
+        thread = threading.Thread(target=engine)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                page_keys(tokens, 1)
+        finally:
+            stop.set()
+            thread.join()
+            sys.setswitchinterval(interval)
+        assert not errors
+
+    @pytest.mark.parametrize(
+        "make",
+        [
+            lambda: (t for t in range(VECTOR_PAGES)),  # any iterable: keyed one page at a time, as before
+            lambda: array("d", range(VECTOR_PAGES)),  # floats: Python hashes them as floats
+            lambda: range(VECTOR_PAGES),
+            lambda: numpy.arange(VECTOR_PAGES),
+            lambda: type("Ids", (list,), {})(range(VECTOR_PAGES)),  # a subclass may mean other ids to numpy
+        ],
+        ids=["generator", "float array", "range", "ndarray", "list subclass"],
+    )
+    def test_other_prompts_are_keyed_one_page_at_a_time(self, make: Callable[[], Iterable[int]]) -> None:
+        keys = page_keys(make(), 1)  # type: ignore[arg-type]  # an engine's prompt need not be a sequence
+        assert not isinstance(keys, VectorKeys)
+        assert list(keys) == list(_linear_chain(make(), 1, 0))  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("page_tokens", [0, True, numpy.int8(3)])
+    def test_odd_page_sizes_are_keyed_one_page_at_a_time(self, page_tokens: int) -> None:
+        tokens = prompt(3 * VECTOR_PAGES, 3)
+        keys = page_keys(tokens, page_tokens)
+        assert not isinstance(keys, VectorKeys)
+        assert list(keys) == list(_linear_chain(tokens, page_tokens, 0))
 
     def test_a_seed_is_a_namespace(self) -> None:
         tokens = prompt(VECTOR_PAGES, 1)
