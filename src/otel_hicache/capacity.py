@@ -91,7 +91,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from otel_hicache import semconv as sc
-from otel_hicache.prefix_keys import VectorKeys
+from otel_hicache.prefix_keys import VectorKeys, unpaced
 from otel_hicache.prefix_keys import page_keys as page_keys  # part of this module's contract
 from otel_hicache.semconv import Tier
 
@@ -183,10 +183,6 @@ def check_tiers(tiers: Iterable[TierCapacity]) -> tuple[TierCapacity, ...]:
     return out
 
 
-def _unpaced() -> None:
-    """A lookup that is never paced (the model used directly, not on a host thread)."""
-
-
 class CapacityModel:
     """The fixed-size SHARDS estimator of one page-access stream and the tier models over it (see the module
     docstring). Not thread-safe: a :class:`CapacityFeed` serializes it."""
@@ -222,7 +218,7 @@ class CapacityModel:
         """Pages the sample tracks now (at most ``max_keys``)."""
         return len(self._last)
 
-    def access(self, keys: Iterable[Hashable], prompt_tokens: int, pace: Callable[[], None] = _unpaced) -> None:
+    def access(self, keys: Iterable[Hashable], prompt_tokens: int, pace: Callable[[], None] = unpaced) -> None:
         """One request's prefix lookup: its page keys, first page first, and its prompt's length in tokens. ``pace``
         is called between pieces of the lookup (:data:`PACE_PAGES`), where a long one may pause."""
         looked, sampled = self.sample(keys, prompt_tokens, pace)
@@ -236,7 +232,7 @@ class CapacityModel:
         self._touch(sampled, pace)
 
     def sample(
-        self, keys: Iterable[Hashable], prompt_tokens: int, pace: Callable[[], None] = _unpaced
+        self, keys: Iterable[Hashable], prompt_tokens: int, pace: Callable[[], None] = unpaced
     ) -> tuple[int, list[int]]:
         """Of one lookup's first ``prompt_tokens // page_tokens`` keys: how many there were, and the sampling hashes
         (``hash((key,))``) of those the sample holds, in order. Read a piece at a time; a long prompt of small pages
@@ -528,7 +524,7 @@ class CapacityFeed:
         queue: Callable[[Callable[[tuple[Any, ...]], None]], Queue],
         *,
         max_keys: int = MAX_SAMPLED_KEYS,
-        pace: Callable[[], None] = _unpaced,
+        pace: Callable[[], None] = unpaced,
     ) -> None:
         self._model = CapacityModel(page_tokens, max_keys)
         self._tiers = check_tiers(tiers)

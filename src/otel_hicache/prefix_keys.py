@@ -120,7 +120,7 @@ class VectorKeys:
         return len(self._ids) // self._page_tokens
 
     def __iter__(self) -> Iterator[int]:
-        for keys in self._pieces(len(self), _unpaced):
+        for keys in self._pieces(len(self), unpaced):
             yield from keys.tolist()
 
     def sampled(self, threshold: int, pages: int, pace: Callable[[], None]) -> tuple[int, list[int]]:
@@ -176,5 +176,5 @@ def _powers(np: Any) -> tuple[Any, Any]:
     )
 
 
-def _unpaced() -> None:
-    """Iterating the keys: nothing to pace."""
+def unpaced() -> None:
+    """The pace of work that never pauses (keys iterated, a model used directly, not on a host thread)."""
