@@ -5,6 +5,7 @@ Docstring examples run as doctests of every module (``--doctest-modules`` in pyp
 
 from __future__ import annotations
 
+import ast
 import enum
 import inspect
 import re
@@ -190,3 +191,41 @@ def test_every_engine_is_in_every_place_adding_an_engine_lists(pytestconfig: pyt
         assert _engine_places() == list(checks)
         for place, check in checks.items():
             assert check(), f"{engine} is missing from {place}"
+
+
+def _benchmarks_help() -> dict[str, str]:
+    """``python -m benchmarks --help``'s list: each benchmark's name and its one line."""
+    command = [sys.executable, "-m", "benchmarks", "--help"]
+    shown = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+    listed = shown.split("\nbenchmarks:\n", 1)[1].split("\n\n", 1)[0]
+    return dict(re.findall(r"^  (\w+) +(\S.*)$", listed, flags=re.MULTILINE))
+
+
+#: The benchmarks whose module is not named as they are.
+BENCHMARK_MODULES = {"sglang": "sglang_path", "vllm": "vllm_serving"}
+
+
+def test_the_benchmarks_help_lists_every_benchmark_with_one_line() -> None:
+    listed = _benchmarks_help()
+    assert listed.pop("all") == "every one of them"
+    assert len(listed) >= 9
+    for name in listed:
+        assert (ROOT / "benchmarks" / f"{BENCHMARK_MODULES.get(name, name)}.py").is_file(), name
+
+
+def test_every_benchmarks_module_that_is_no_benchmark_is_a_measuring_device_its_users_import() -> None:
+    """A module of benchmarks/ a user does not run says whose measuring device it is, and each of them imports it."""
+    names = [name for name in _benchmarks_help() if name != "all"]
+    runs = {BENCHMARK_MODULES.get(name, name) for name in names} | {"__init__", "__main__", "engine_capacity"}
+    devices = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in runs)
+    assert {p.stem for p in devices} >= {"_collector", "_common", "ackpath"}
+    for path in devices:
+        doc = " ".join(str(ast.get_docstring(ast.parse(path.read_text()))).split())
+        match = re.search(r"A measuring device of [^.]+, used by ([^.]+)\.", doc)
+        assert match, f"benchmarks/{path.name} does not say whose measuring device it is"
+        users = names if match.group(1) == "every benchmark" else re.split(r", | and ", match.group(1))
+        assert set(users) <= set(names), path.name
+        for user in users:
+            source = (ROOT / "benchmarks" / f"{BENCHMARK_MODULES.get(user, user)}.py").read_text()
+            imports = (f"from benchmarks.{path.stem} import", f"from benchmarks import {path.stem}\n")
+            assert any(i in source for i in imports), f"{user} does not use benchmarks/{path.name}"
