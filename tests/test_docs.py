@@ -229,3 +229,55 @@ def test_every_benchmarks_module_that_is_no_benchmark_is_a_measuring_device_its_
             source = (ROOT / "benchmarks" / f"{BENCHMARK_MODULES.get(user, user)}.py").read_text()
             imports = (f"from benchmarks.{path.stem} import", f"from benchmarks import {path.stem}\n")
             assert any(i in source for i in imports), f"{user} does not use benchmarks/{path.name}"
+
+
+#: The columns of an engine's overhead table (RESULTS.md's current tables add where each row was measured).
+OVERHEAD_COLUMNS = ["what is measured", "ours", "the engine's own metrics", "goal", "met", "command"]
+
+
+def _rows(text: str, columns: list[str]) -> list[list[str]]:
+    """The rows of the one markdown table in ``text``, each a list of its cells, under the header ``columns``."""
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    header, *rows = [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in lines]
+    assert header == columns, header
+    assert all(len(row) == len(columns) for row in rows), rows
+    return rows
+
+
+def _readme_overhead() -> dict[str, list[list[str]]]:
+    """The README's Overhead: its ``### engine`` tables, by engine."""
+    blocks = section(README, "Overhead").split("\n### ")[1:]
+    return {block.split("\n", 1)[0]: _rows(block, OVERHEAD_COLUMNS) for block in blocks}
+
+
+def _results_current() -> dict[str, list[list[str]]]:
+    """RESULTS.md's ``## Current: engine`` tables, by engine."""
+    path = ROOT / "benchmarks" / "RESULTS.md"
+    engines = re.findall(r"^## Current: (.+)$", path.read_text(), flags=re.MULTILINE)
+    return {e: _rows(section(path, f"Current: {e}"), [*OVERHEAD_COLUMNS, "measured"]) for e in engines}
+
+
+def test_the_readmes_overhead_quotes_the_current_results_row_for_row() -> None:
+    """One table per engine in each; the README's rows are RESULTS' current rows, less where each was measured."""
+    readme = _readme_overhead()
+    results = _results_current()
+    assert set(readme) == set(results) == {"SGLang", "vLLM"}
+    for engine, rows in readme.items():
+        assert [row[:6] for row in results[engine]] == rows, f"README's {engine} overhead differs from RESULTS.md's"
+        assert all(row[6] for row in results[engine]), f"a RESULTS.md {engine} row says not where it was measured"
+
+
+def test_every_overhead_row_names_a_benchmark_that_exists() -> None:
+    names = set(_benchmarks_help()) - {"all"}
+    for engine, rows in _readme_overhead().items():
+        for row in rows:
+            match = re.fullmatch(r"`(?:\.venv[\w-]*/bin/)?python -m benchmarks(?: (\w+)|\.(\w+) \w+)`", row[5])
+            assert match, f"{engine}: {row[5]}"
+            name, module = match.groups()
+            assert name in names if name else (ROOT / "benchmarks" / f"{module}.py").is_file(), row[5]
+
+
+def test_the_readme_is_a_short_manual_with_no_history() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b|\bsession|\b(?:earlier|later) (?:code|run|machine)", text, flags=re.I)
