@@ -244,9 +244,9 @@ def _rows(text: str, columns: list[str]) -> list[list[str]]:
     return rows
 
 
-def _readme_overhead() -> dict[str, list[list[str]]]:
-    """The README's Overhead: its ``### engine`` tables, by engine."""
-    blocks = section(README, "Overhead").split("\n### ")[1:]
+def _overhead(path: Path = README, title: str = "Overhead") -> dict[str, list[list[str]]]:
+    """The ``### engine`` tables of the ``## title`` section of ``path``, by engine."""
+    blocks = section(path, title).split("\n### ")[1:]
     return {block.split("\n", 1)[0]: _rows(block, OVERHEAD_COLUMNS) for block in blocks}
 
 
@@ -259,17 +259,18 @@ def _results_current() -> dict[str, list[list[str]]]:
 
 def test_the_readmes_overhead_quotes_the_current_results_row_for_row() -> None:
     """One table per engine in each; the README's rows are RESULTS' current rows, less where each was measured."""
-    readme = _readme_overhead()
+    readme = _overhead()
     results = _results_current()
     assert set(readme) == set(results) == {"SGLang", "vLLM"}
     for engine, rows in readme.items():
         assert [row[:6] for row in results[engine]] == rows, f"README's {engine} overhead differs from RESULTS.md's"
         assert all(row[6] for row in results[engine]), f"a RESULTS.md {engine} row says not where it was measured"
+    assert _overhead(DOCS / "overhead.md", "The current figures") == readme, "docs/overhead.md's figures differ"
 
 
 def test_every_overhead_row_names_a_benchmark_that_exists() -> None:
     names = set(_benchmarks_help()) - {"all"}
-    for engine, rows in _readme_overhead().items():
+    for engine, rows in _overhead().items():
         for row in rows:
             match = re.fullmatch(r"`(?:\.venv[\w-]*/bin/)?python -m benchmarks(?: (\w+)|\.(\w+) \w+)`", row[5])
             assert match, f"{engine}: {row[5]}"
