@@ -268,6 +268,16 @@ def test_the_readmes_overhead_quotes_the_current_results_row_for_row() -> None:
     assert _overhead(DOCS / "overhead.md", "The current figures") == readme, "docs/overhead.md's figures differ"
 
 
+def test_every_current_figure_is_one_that_results_reports_below_its_current_tables() -> None:
+    """A figure of the current tables (ours, the engine's own) is one of a table or a dated entry of RESULTS.md."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    below = text.split("\n## The latest table of each benchmark\n", 1)[1]
+    for engine, rows in _results_current().items():
+        for row in rows:
+            for figure in re.findall(r"\d[\d,]*\.?\d*", f"{row[1]} {row[2]}"):
+                assert re.search(rf"(?<![\d.,]){re.escape(figure)}(?![\d,]|\.\d)", below), f"{engine}: {figure}"
+
+
 def test_every_overhead_row_names_a_benchmark_that_exists() -> None:
     names = set(_benchmarks_help()) - {"all"}
     for engine, rows in _overhead().items():
