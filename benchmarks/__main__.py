@@ -1,7 +1,6 @@
-"""``python -m benchmarks {hotpath,loop,transfer,soak,sglang,importtax,sigkill,capacity,vllm,all} ... [--smoke]``
-(``--device cpu|cuda``; ``--rates R,R`` for ``loop``)
+"""``python -m benchmarks NAME ... [--smoke]``: the benchmarks a user runs, each printing one markdown table.
 
-Prints one markdown table per benchmark (plus the machine line); ``--markdown FILE`` / ``--json FILE`` also write
+Prints one markdown table per benchmark (plus the machine line); --markdown FILE and --json FILE also write
 them. Exits 1 when a correctness check (ground truth, accounting) failed; never because of a timing.
 """
 
@@ -14,7 +13,27 @@ from collections.abc import Callable
 
 from benchmarks._common import Table, dump_json, machine_line
 
-NAMES = ("hotpath", "loop", "transfer", "soak", "sglang", "importtax", "sigkill", "capacity", "vllm")
+BENCHMARKS = {
+    "hotpath": "reporting one merged transfer on the scheduler thread, ours against prometheus_client (synthetic)",
+    "loop": "a scheduler loop at a paced transfer rate: step time, host CPU per transfer, GIL holds",
+    "transfer": "the reference controller's merged transfers against raw torch copies of the same bytes",
+    "soak": "minutes of paced then burst transfers over OTLP: exact counters, span drops, flat memory",
+    "sglang": "the scheduler thread's and process's cost per transfer on real SGLang classes (.venv-sglang)",
+    "importtax": "what `opentelemetry-instrument python -c pass` costs with our instrumentor on and off",
+    "sigkill": "what a SIGKILL of the host loses: acks handed over but not yet exported",
+    "capacity": "the capacity estimator's cost per admitted 4,096-token request",
+    "vllm": "the plugin on against off on a real vLLM engine on the CPU, against vLLM's own metrics (.venv-vllm)",
+}
+NAMES = tuple(BENCHMARKS)
+EPILOG = (
+    "benchmarks:\n"
+    + "\n".join(f"  {name:<10} {line}" for name, line in BENCHMARKS.items())
+    + (
+        "\n  all        every one of them"
+        "\n\nrun as its own module (in the engine's venv):"
+        "\n  python -m benchmarks.engine_capacity {sglang,vllm}   the capacity estimator on each engine's own path"
+    )
+)
 
 
 def _command(args: argparse.Namespace, name: str) -> str:
@@ -92,8 +111,15 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
-    parser.add_argument("benchmark", nargs="+", choices=(*NAMES, "all"), help="which to run ('all': every one)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__.split("\n\n")[1],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "benchmark", nargs="+", choices=(*NAMES, "all"), metavar="NAME", help="which to run (listed below)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny iteration counts: checks that it runs (CI)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the tensors and events live")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables to FILE")

@@ -6,6 +6,8 @@ so it runs for minutes in flat memory.
 
 Protocol (line-based JSON on stdin/stdout): on start it prints ``{"grpc": URL, "http": URL}``; each ``stats`` line
 is answered with the counts; ``quit`` exits. :class:`CollectorProcess` wraps this for the parent.
+
+A measuring device of an OTLP receiver out of the measured process, used by hotpath, loop, soak and sglang.
 """
 
 from __future__ import annotations

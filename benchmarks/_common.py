@@ -1,4 +1,7 @@
-"""Shared pieces: result tables, order statistics, the machine description, memory sampling."""
+"""Shared pieces: result tables, order statistics, the machine description, memory sampling.
+
+A measuring device of result tables, order statistics, the machine line and memory sampling, used by every benchmark.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """The telemetry's host thread as the benchmarks see it: each of its rounds timed from the holder's side (and, asked
 for, each record it builds, first in its round or later: a round's first record finds the caches cold), and what
 one wake of a thread costs this machine before any work (the host thread wakes once per round), and a control thread
-that keeps the host thread's schedule with no work of ours."""
+that keeps the host thread's schedule with no work of ours.
+
+A measuring device of the telemetry host thread's rounds and wake cost, used by loop and sglang.
+"""
 
 from __future__ import annotations
 

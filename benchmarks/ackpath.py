@@ -15,6 +15,9 @@ nodes the ack served (pop from the ongoing map, lock count down), then the metri
   the ack is appended, the ack put on a queue of the reporter's own as it is popped
   (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.deferred_queue`); the telemetry's host thread reports it with
   :meth:`~otel_hicache.telemetry.HiCacheTelemetry.record_transfer_at`.
+
+A measuring device of the synthetic SGLang ack path and the reporters compared on it, used by hotpath, loop, soak
+and sglang.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ Docstring examples run as doctests of every module (``--doctest-modules`` in pyp
 
 from __future__ import annotations
 
+import ast
 import enum
 import inspect
 import re
@@ -190,3 +191,104 @@ def test_every_engine_is_in_every_place_adding_an_engine_lists(pytestconfig: pyt
         assert _engine_places() == list(checks)
         for place, check in checks.items():
             assert check(), f"{engine} is missing from {place}"
+
+
+def _benchmarks_help() -> dict[str, str]:
+    """``python -m benchmarks --help``'s list: each benchmark's name and its one line."""
+    command = [sys.executable, "-m", "benchmarks", "--help"]
+    shown = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+    listed = shown.split("\nbenchmarks:\n", 1)[1].split("\n\n", 1)[0]
+    return dict(re.findall(r"^  (\w+) +(\S.*)$", listed, flags=re.MULTILINE))
+
+
+#: The benchmarks whose module is not named as they are.
+BENCHMARK_MODULES = {"sglang": "sglang_path", "vllm": "vllm_serving"}
+
+
+def test_the_benchmarks_help_lists_every_benchmark_with_one_line() -> None:
+    listed = _benchmarks_help()
+    assert listed.pop("all") == "every one of them"
+    assert len(listed) >= 9
+    for name in listed:
+        assert (ROOT / "benchmarks" / f"{BENCHMARK_MODULES.get(name, name)}.py").is_file(), name
+
+
+def test_every_benchmarks_module_that_is_no_benchmark_is_a_measuring_device_its_users_import() -> None:
+    """A module of benchmarks/ a user does not run says whose measuring device it is, and each of them imports it."""
+    names = [name for name in _benchmarks_help() if name != "all"]
+    runs = {BENCHMARK_MODULES.get(name, name) for name in names} | {"__init__", "__main__", "engine_capacity"}
+    devices = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in runs)
+    assert {p.stem for p in devices} >= {"_collector", "_common", "ackpath"}
+    for path in devices:
+        doc = " ".join(str(ast.get_docstring(ast.parse(path.read_text()))).split())
+        match = re.search(r"A measuring device of [^.]+, used by ([^.]+)\.", doc)
+        assert match, f"benchmarks/{path.name} does not say whose measuring device it is"
+        users = names if match.group(1) == "every benchmark" else re.split(r", | and ", match.group(1))
+        assert set(users) <= set(names), path.name
+        for user in users:
+            source = (ROOT / "benchmarks" / f"{BENCHMARK_MODULES.get(user, user)}.py").read_text()
+            imports = (f"from benchmarks.{path.stem} import", f"from benchmarks import {path.stem}\n")
+            assert any(i in source for i in imports), f"{user} does not use benchmarks/{path.name}"
+
+
+#: The columns of an engine's overhead table (RESULTS.md's current tables add where each row was measured).
+OVERHEAD_COLUMNS = ["what is measured", "ours", "the engine's own metrics", "goal", "met", "command"]
+
+
+def _rows(text: str, columns: list[str]) -> list[list[str]]:
+    """The rows of the one markdown table in ``text``, each a list of its cells, under the header ``columns``."""
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    header, *rows = [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in lines]
+    assert header == columns, header
+    assert all(len(row) == len(columns) for row in rows), rows
+    return rows
+
+
+def _overhead(path: Path = README, title: str = "Overhead") -> dict[str, list[list[str]]]:
+    """The ``### engine`` tables of the ``## title`` section of ``path``, by engine."""
+    blocks = section(path, title).split("\n### ")[1:]
+    return {block.split("\n", 1)[0]: _rows(block, OVERHEAD_COLUMNS) for block in blocks}
+
+
+def _results_current() -> dict[str, list[list[str]]]:
+    """RESULTS.md's ``## Current: engine`` tables, by engine."""
+    path = ROOT / "benchmarks" / "RESULTS.md"
+    engines = re.findall(r"^## Current: (.+)$", path.read_text(), flags=re.MULTILINE)
+    return {e: _rows(section(path, f"Current: {e}"), [*OVERHEAD_COLUMNS, "measured"]) for e in engines}
+
+
+def test_the_readmes_overhead_quotes_the_current_results_row_for_row() -> None:
+    """One table per engine in each; the README's rows are RESULTS' current rows, less where each was measured."""
+    readme = _overhead()
+    results = _results_current()
+    assert set(readme) == set(results) == {"SGLang", "vLLM"}
+    for engine, rows in readme.items():
+        assert [row[:6] for row in results[engine]] == rows, f"README's {engine} overhead differs from RESULTS.md's"
+        assert all(row[6] for row in results[engine]), f"a RESULTS.md {engine} row says not where it was measured"
+    assert _overhead(DOCS / "overhead.md", "The current figures") == readme, "docs/overhead.md's figures differ"
+
+
+def test_every_current_figure_is_one_that_results_reports_below_its_current_tables() -> None:
+    """A figure of the current tables (ours, the engine's own) is one of a table or a dated entry of RESULTS.md."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    below = text.split("\n## The latest table of each benchmark\n", 1)[1]
+    for engine, rows in _results_current().items():
+        for row in rows:
+            for figure in re.findall(r"\d[\d,]*\.?\d*", f"{row[1]} {row[2]}"):
+                assert re.search(rf"(?<![\d.,]){re.escape(figure)}(?![\d,]|\.\d)", below), f"{engine}: {figure}"
+
+
+def test_every_overhead_row_names_a_benchmark_that_exists() -> None:
+    names = set(_benchmarks_help()) - {"all"}
+    for engine, rows in _overhead().items():
+        for row in rows:
+            match = re.fullmatch(r"`(?:\.venv[\w-]*/bin/)?python -m benchmarks(?: (\w+)|\.(\w+) \w+)`", row[5])
+            assert match, f"{engine}: {row[5]}"
+            name, module = match.groups()
+            assert name in names if name else (ROOT / "benchmarks" / f"{module}.py").is_file(), row[5]
+
+
+def test_the_readme_is_a_short_manual_with_no_history() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b|\bsession|\b(?:earlier|later) (?:code|run|machine)", text, flags=re.I)
