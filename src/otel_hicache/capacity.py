@@ -25,6 +25,12 @@ The contract, for a producer (an engine adapter, the reference cache):
   (``max_queue`` of the telemetry) sheds the oldest lookups past its bound and counts them
   (``otel_hicache.records.rejected{record.kind=capacity, problem=queue_full}``); ``keys`` that raises is counted as
   ``build_failed``. Never raises, never waits.
+* **Or, given as token ids** (SGLang's prompts): ``feed.put_ids(ids, prompt_tokens, seed)``, keyed by
+  :func:`page_keys` with ``seed`` (a namespace). Exporting over OTLP the ids are copied into the id ring for the export
+  process, which keys them at once and runs the model there (``docs/architecture.md``, "Token ids": the only place ids
+  go); the curve is then the export process's, and :meth:`CapacityFeed.curve` here holds none of those lookups. A full
+  ring drops the lookup (``queue_full``). Without an export process they are queued like ``put``'s. A feed is given
+  one or the other, not both.
 * **What leaves the process**: only ``hicache.capacity.hit_ratio`` per tier and factor (a gauge, unit ``1``) - the
   predicted share of prompt tokens served by that tier or a faster one if it held ``factor`` times its capacity today,
   the other tiers unchanged; factor ``inf`` is the ceiling (``1 - inf``: tokens seen for the first time). No key, token
@@ -88,7 +94,7 @@ from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from otel_hicache import semconv as sc
 from otel_hicache.prefix_keys import VectorKeys, unpaced
@@ -511,10 +517,23 @@ class _WriteBack:
             self._leave(h)
 
 
+class TokenIds(NamedTuple):
+    """A queued lookup's payload given as token ids (:meth:`CapacityFeed.put_ids`): keyed by :func:`page_keys`."""
+
+    ids: Sequence[int]
+    seed: int
+
+
+#: Where a feed hands token ids to the export process: ``(feed, ids, prompt_tokens, seed)``; False when there is none
+#: now (the lookup is queued for the host thread instead).
+IdSink = Callable[["CapacityFeed", Any, int, int], bool]
+
+
 class CapacityFeed:
     """A producer's handle on the estimator (see the module docstring): ``put`` and ``seq`` are the bounded queue's
     (``put((next(seq), payload, prompt_tokens))``), drained on the telemetry's host thread, each lookup paced by
-    ``pace`` (the host thread's)."""
+    ``pace`` (the host thread's); :meth:`put_ids` hands a prompt's token ids to the export process where there is
+    one (``ids``)."""
 
     def __init__(
         self,
@@ -525,9 +544,12 @@ class CapacityFeed:
         *,
         max_keys: int = MAX_SAMPLED_KEYS,
         pace: Callable[[], None] = unpaced,
+        ids: IdSink | None = None,
     ) -> None:
         self._model = CapacityModel(page_tokens, max_keys)
         self._tiers = check_tiers(tiers)
+        self._ids = ids
+        self.generation = 0  # moves on with every change of the tiers (an id sink describes them again)
         self._keys = keys
         self._pace = pace
         self._lock = threading.Lock()  # the host thread feeds the model; curve() reads it from any thread
@@ -543,6 +565,24 @@ class CapacityFeed:
         with self._lock:
             self._tiers = checked
             self._model.simulate(checked, self._limits)
+            self.generation += 1
+
+    @property
+    def page_tokens(self) -> int:
+        return self._model.page_tokens
+
+    @property
+    def tiers(self) -> tuple[TierCapacity, ...]:
+        return self._tiers
+
+    def put_ids(self, ids: Sequence[int], prompt_tokens: int, seed: int = 0) -> None:
+        """One admitted request's lookup given as its prompt's token ids (``seed``: its cache namespace, see
+        :func:`page_keys`), on the engine's thread. Exporting over OTLP they are copied into the id ring for the
+        export process, which keys them and runs the model there (a full ring drops the lookup and counts it);
+        otherwise queued by reference for the host thread, as :attr:`put` does. Never raises."""
+        sink = self._ids
+        if sink is None or not sink(self, ids, prompt_tokens, seed):
+            self.put((next(self.seq), TokenIds(ids, seed), prompt_tokens))
 
     def curve(self, limits: Mapping[tuple[str, str], int] | None = None) -> dict[str, TierCurve]:
         """Each tier's predicted ratios now (what the gauge reports); ``limits``: the pool reading by ``(tier, pool)``
@@ -567,6 +607,10 @@ class CapacityFeed:
     def build(self, entry: tuple[Any, ...]) -> None:
         """The host thread's: feed one queued lookup ``(seq, payload, prompt_tokens)`` to the model."""
         _, payload, prompt_tokens = entry
-        keys = payload if self._keys is None else self._keys(payload)
+        keys: Iterable[Hashable]
+        if type(payload) is TokenIds:
+            keys = page_keys(payload.ids, self._model.page_tokens, payload.seed)
+        else:
+            keys = payload if self._keys is None else self._keys(payload)
         with self._lock:  # held while a long lookup pauses: a reader of the curve waits for the whole lookup
             self._model.access(keys, int(prompt_tokens), self._pace)

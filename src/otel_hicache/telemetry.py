@@ -26,7 +26,9 @@ What the host process pays (the scheduler thread is latency-critical, and every 
   (``otel_hicache.records.rejected{problem=queue_full}``), never built on the caller's thread; a hung ``build`` delays
   only that thread.
 * :meth:`HiCacheTelemetry.capacity_feed` hands a producer the same kind of queue for its prefix lookups: the page keys
-  are computed and the capacity estimator (:mod:`otel_hicache.capacity`) runs on the host thread.
+  are computed and the capacity estimator (:mod:`otel_hicache.capacity`) runs on the host thread; exporting over
+  OTLP, lookups given as token ids (``put_ids``) go to the export process instead, through the id ring in shared
+  memory, and the estimator runs there.
 * Nothing raises into the caller: a malformed record is refused whole with a one-time warning and counted in
   ``otel_hicache.records.rejected``; a correction (an unknown pool counted as ``other``, a bad link left out) is
   counted in ``otel_hicache.records.normalized``; a span that cannot be queued is counted in
@@ -271,6 +273,7 @@ class HiCacheTelemetry:
             lambda build: self._host.new_queue(build, RecordKind.CAPACITY, patient=True),
             max_keys=max_keys,
             pace=pacing.pace,  # a long lookup keeps to the host thread's rounds
+            ids=self._host.put_ids if self._host.shared else None,  # over OTLP: token ids to the export process
         )
         previous, self._host.capacity = self._host.capacity, feed
         if previous is not None:

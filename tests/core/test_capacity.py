@@ -13,12 +13,14 @@ import sys
 import threading
 import time
 import types
+from array import array
 from collections.abc import Hashable, Iterator, Sequence
 
 import pytest
 
 from otel_hicache import semconv as sc
 from otel_hicache._internal.host.worker import HOST_THREAD_NAME
+from otel_hicache._internal.shared.ids import ARENA_BYTES
 from otel_hicache.capacity import (
     ERROR_BOUND,
     FOOTPRINT_BYTES,
@@ -364,3 +366,49 @@ def test_the_export_process_exports_the_curve_over_otlp_from_the_shared_table() 
             assert setup.telemetry.export_pid is not None  # exported from another process
         finally:
             setup.shutdown()
+
+
+def test_token_ids_given_over_otlp_are_modelled_by_the_export_process_as_this_process_would() -> None:
+    """``put_ids`` over OTLP: the ids go through the id ring, the export process keys them and runs the model, and
+    the curve it exports is the one a model fed the same keys here predicts, at every factor of every tier (a tier
+    sized by the pool reading included); the host's own model sees none of them."""
+    rng = random.Random(5)
+    docs = [[rng.randrange(1, 32_000) for _ in range(rng.randint(2, 12) * PAGE)] for _ in range(40)]
+    prompts = [rng.choice(docs) + [rng.randrange(32_000) for _ in range(5)] for _ in range(400)]
+    tiers = [TierCapacity(Tier.DEVICE, 8 * PAGE), TierCapacity(Tier.HOST, None, inclusive=True)]
+    expected_model = CapacityModel(PAGE)
+    for prompt in prompts:
+        expected_model.access(page_keys(prompt, PAGE, 11), len(prompt))
+    expected = expected_model.curve(tiers, {("host", sc.DEFAULT_POOL): 32 * PAGE})
+
+    want = {(tier, f): c.hit_ratio[f] for tier, c in expected.items() for f in sc.CAPACITY_FACTORS}
+    with OtlpReceiver() as rx:
+        setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
+        try:
+            setup.telemetry.add_pool_usage_source(lambda: [PoolUsage(Tier.HOST, sc.DEFAULT_POOL, 0, 32 * PAGE)])
+            feed = setup.telemetry.capacity_feed(PAGE, tiers)
+            for i, prompt in enumerate(prompts):
+                feed.put_ids(array("q", prompt) if i % 2 else prompt, len(prompt), 11)  # SGLang's array, or a list
+            setup.force_flush()
+            assert rx.wait_for(lambda: rx.capacity_curve().keys() == want.keys(), timeout_s=20), rx.capacity_curve()
+            assert rx.wait_for(lambda: rx.capacity_curve() == pytest.approx(want, abs=1e-9), timeout_s=20), (
+                rx.capacity_curve()
+            )
+            assert feed.curve()["device"].hit_ratio["inf"] == 0.0  # nothing was modelled in the host
+        finally:
+            setup.shutdown()
+
+
+def test_token_ids_the_id_ring_cannot_take_are_dropped_and_counted() -> None:
+    """A lookup the id ring has no room for (here: a prompt larger than the whole ring) is dropped and counted as
+    ``queue_full``, and ids that are not 64-bit integers as ``build_failed``; neither raises into the engine."""
+    setup = configure(env={}, endpoint="http://127.0.0.1:9", protocol="grpc")
+    try:
+        feed = setup.telemetry.capacity_feed(PAGE, [TierCapacity(Tier.DEVICE, 8 * PAGE)])
+        feed.put_ids(array("q", bytes(ARENA_BYTES)), ARENA_BYTES // 8)
+        feed.put_ids([1, 2**64], 2)
+        rejected = setup.telemetry.snapshot()[sc.METRIC_RECORDS_REJECTED]
+        assert rejected[(RecordKind.CAPACITY.value, Problem.QUEUE_FULL.value)] == 1
+        assert rejected[(RecordKind.CAPACITY.value, Problem.BUILD_FAILED.value)] == 1
+    finally:
+        setup.shutdown(timeout_s=1)

@@ -165,14 +165,6 @@ def test_a_scheduler_exports_the_curve_of_both_tiers_over_otlp(cpu_sglang: Any, 
 
     expected = {(tier, factor) for tier in ("device", "host") for factor in sc.CAPACITY_FACTORS}
 
-    def exported() -> dict[tuple[str, str], float]:
-        metric = receiver.latest_metric(sc.METRIC_CAPACITY_HIT_RATIO)
-        points = [] if metric is None else metric.gauge.data_points
-        return {
-            (attributes(p.attributes)[sc.ATTR_TIER], attributes(p.attributes)[sc.ATTR_CAPACITY_FACTOR]): p.as_double
-            for p in points
-        }
-
     with OtlpReceiver() as receiver:
         setup = configure(endpoint=receiver.grpc_endpoint, protocol="grpc", service_name="sglang-capacity", env={})
         instrumentor = SGLangHiCacheInstrumentor()
@@ -182,11 +174,11 @@ def test_a_scheduler_exports_the_curve_of_both_tiers_over_otlp(cpu_sglang: Any, 
                 served.serve(list(itertools.islice(WORKLOADS["documents"](), 200)))
                 setup.telemetry.snapshot()  # every lookup is in the model
                 setup.force_flush()
-                assert receiver.wait_for(lambda: set(exported()) == expected, timeout_s=30)
+                assert receiver.wait_for(lambda: set(receiver.capacity_curve()) == expected, timeout_s=30)
         finally:
             instrumentor.uninstrument()
             setup.shutdown()
-    curve = exported()
+    curve = receiver.capacity_curve()
     for tier in ("device", "host"):
         ratios = [curve[tier, factor] for factor in sc.CAPACITY_FACTORS]
         assert 0 < ratios[0] and ratios == sorted(ratios) and ratios[-1] < 1

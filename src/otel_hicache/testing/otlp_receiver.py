@@ -29,6 +29,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from otel_hicache import semconv as sc
+
 ExportTraceRequest = trace_service_pb2.ExportTraceServiceRequest
 ExportMetricsRequest = metrics_service_pb2.ExportMetricsServiceRequest
 _Receiver = TypeVar("_Receiver", bound="OtlpReceiver")  # start() / __enter__ return a subclass as itself
@@ -203,6 +205,15 @@ class OtlpReceiver:
             if metric.name == name:
                 found = metric
         return found
+
+    def capacity_curve(self) -> dict[tuple[str, str], float]:
+        """The last received ``hicache.capacity.hit_ratio``: ``(tier, factor) -> ratio`` (empty before any)."""
+        metric = self.latest_metric(sc.METRIC_CAPACITY_HIT_RATIO)
+        points = [] if metric is None else metric.gauge.data_points
+        return {
+            (attributes(p.attributes)[sc.ATTR_TIER], attributes(p.attributes)[sc.ATTR_CAPACITY_FACTOR]): p.as_double
+            for p in points
+        }
 
     def wait_for(self, predicate: Any, timeout_s: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout_s

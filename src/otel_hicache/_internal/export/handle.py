@@ -29,6 +29,7 @@ OTLP encoding never touch the host's GIL.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import select
@@ -201,7 +202,7 @@ class ExportProcess:
     # ------------------------------------------------------------------ internals
     def _start(self, channel: Channel) -> None:
         try:
-            self._launch = _spawn(channel, self._plan)
+            self._launch = _spawn(channel, dataclasses.replace(self._plan, ids=channel.ids_bytes))
         except Exception as exc:  # OSError (no fds, EAGAIN from fork), RuntimeError: never into the host
             self._failed()
             self._warn_once(

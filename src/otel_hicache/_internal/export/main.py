@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from otel_hicache._internal.emit.emitter import Emitter
 from otel_hicache._internal.emit.providers import build
+from otel_hicache._internal.export.capacity import RingEstimator
 from otel_hicache._internal.shared.accumulation import Layout
 from otel_hicache._internal.shared.channel import (
     EXPORT_DROPPED,
@@ -257,7 +258,9 @@ def main(hangup_fd: int, channel_fd: int, plan: ExportPlan) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the host
     os.nice(EXPORTER_NICENESS)  # background work: on a busy host, the scheduler runs first
 
-    channel = Channel(Layout(plan.pools, plan.seed_pools, HEADER_INTS), plan.capacity, shared=True, fd=channel_fd)
+    channel = Channel(
+        Layout(plan.pools, plan.seed_pools, HEADER_INTS), plan.capacity, shared=True, fd=channel_fd, ids=plan.ids
+    )
     ints = channel.ints
     ids, collect = RingIds(ints[ID_SEED]), Collect()
     settings = validate(
@@ -282,6 +285,7 @@ def main(hangup_fd: int, channel_fd: int, plan: ExportPlan) -> None:
         delay_s,
         lambda: meter_provider.force_flush(timeout_ms),
     )
+    estimator = None if channel.ids is None else RingEstimator(channel, channel.ids)
     ints[EXPORTER_PID] = os.getpid()
 
     poke = threading.Event()
@@ -311,7 +315,11 @@ def main(hangup_fd: int, channel_fd: int, plan: ExportPlan) -> None:
         poke.clear()
         sender.build()
         request = int(ints[FLUSH_REQ])
+        if estimator is not None:
+            estimator.drain()
         if request > max(answered, ints[FLUSH_DONE]):
+            if estimator is not None:
+                estimator.publish()  # a flush exports the curve of every lookup the host had handed over
             if sender.hand(flush=request):  # answered once the spans so far are sent and the metrics exported
                 answered = request
         elif sender.due():
@@ -324,6 +332,9 @@ def main(hangup_fd: int, channel_fd: int, plan: ExportPlan) -> None:
             cut_off.daemon = True
             cut_off.start()
         sender.build()
+        if estimator is not None:
+            estimator.drain()
+            estimator.publish()
         if sender.idle(ends - time.monotonic()):
             sender.hand()
         meter_provider.force_flush(timeout_ms)  # meanwhile the spans are sent

@@ -40,9 +40,10 @@ from otel_hicache._internal.host.deferred import Build, DeferredQueue
 from otel_hicache._internal.host.pacing import SLICE_NS
 from otel_hicache._internal.host.validation import Rejected
 from otel_hicache._internal.shared.channel import Channel
+from otel_hicache._internal.shared.ids import ARENA_BYTES, IdRing, TierRow
 from otel_hicache.capacity import CapacityFeed
 from otel_hicache.records import PoolUsage, TransferRecord
-from otel_hicache.semconv import CAPACITY_FACTORS, Problem, RecordKind
+from otel_hicache.semconv import CAPACITY_FACTORS, OTHER_POOL, Problem, RecordKind, Tier
 
 #: The pause after a busy round: the scheduler thread runs undisturbed at least this long. Every round costs the
 #: scheduler thread beyond the round itself (a hand-over of the GIL, caches it finds cold), so fewer rounds cost it
@@ -112,6 +113,7 @@ class HostWorker:
         self._interval_s = interval_s
         self.shared = shared
         self.capacity: CapacityFeed | None = None  # the process's capacity estimator, when a producer feeds one
+        self._described: tuple[IdRing, int] | None = None  # the id ring and feed generation last described in it
         self.schedule = pacing.Schedule()  # the host thread's slices in its round, which a long build keeps to
         self.pool_sources: list[PoolSource] = []
         self.engine_checks: list[EngineCheck] = []
@@ -323,10 +325,36 @@ class HostWorker:
         self._pools_reported = bool(readings)
         self._tally.pools(readings, refused, corrections)
 
+    def put_ids(self, feed: CapacityFeed, ids: Any, prompt_tokens: int, seed: int) -> bool:
+        """A capacity lookup's token ids into the channel's id ring, for the export process (the engine's thread);
+        False when the channel has none now (private memory: the lookup is queued for this process instead). A full
+        ring drops the lookup, counted as ``queue_full``; ids that are not int64 are counted as ``build_failed``."""
+        problem = None
+        with self._tally.lock:  # the channel is swapped under it (moved into shared memory, released at shutdown)
+            ring = self.channel.ids
+            if ring is None or feed is not self.capacity:
+                return ring is not None  # a replaced feed's lookups: for no model any more
+            if self._described != (ring, feed.generation):
+                ring.describe(feed.page_tokens, _tier_rows(feed, self.channel.layout.pools))
+                self._described = (ring, feed.generation)
+            try:
+                if not ring.put(ids, prompt_tokens, seed):
+                    problem = Problem.QUEUE_FULL
+            except (OverflowError, TypeError, ValueError):
+                problem = Problem.BUILD_FAILED
+        if problem is Problem.QUEUE_FULL:
+            self._tally.shed(1, "capacity lookups faster than the export process reads them", RecordKind.CAPACITY)
+        elif problem is not None:
+            self._tally.reject(RecordKind.CAPACITY, problem)
+        return True
+
     def publish_capacity(self) -> None:
-        """Write the capacity estimator's curve (after the pool reading: a tier's capacity may come from it)."""
+        """Write the capacity estimator's curve (after the pool reading: a tier's capacity may come from it), unless
+        its lookups go to the export process (the channel's id ring describes the feed): that one runs the estimator
+        then, and alone writes the curve."""
         feed = self.capacity
-        if feed is None:
+        described = self._described
+        if feed is None or (described is not None and described[0] is self.channel.ids):
             return
         try:
             limits = {(tier, pool): limit for tier, pool, _, limit in self.channel.counters.pools()}
@@ -444,7 +472,7 @@ class HostWorker:
         layout = self._tally.layout
         if self.shared:
             try:
-                return Channel(layout, self._max_queue, shared=True)
+                return Channel(layout, self._max_queue, shared=True, ids=ARENA_BYTES)
             except OSError as exc:
                 self._tally.warn_export(
                     "no_shared_memory",
@@ -512,6 +540,20 @@ def weakly(method: Callable[_P, Any]) -> Callable[_P, None]:
             live(*args, **kwargs)
 
     return call
+
+
+def _tier_rows(feed: CapacityFeed, pools: tuple[str, ...]) -> list[TierRow]:
+    """``feed``'s tiers as the id ring describes them (a pool the channel does not know: ``other``)."""
+    return [
+        TierRow(
+            list(Tier).index(Tier(t.tier)),
+            -1 if t.tokens is None else t.tokens,
+            t.inclusive,
+            t.reclaims_copies,
+            pools.index(t.pool) if t.pool in pools else pools.index(OTHER_POOL),
+        )
+        for t in feed.tiers
+    ]
 
 
 def _build_deferred_call(entry: tuple[int, Callable[[Any], TransferRecord | None], Any]) -> TransferRecord | None:

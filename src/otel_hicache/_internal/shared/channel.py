@@ -3,6 +3,7 @@
 Layout (all int64-aligned)::
 
     header (HEADER_INTS int64)  |  counters, pool gauges, histograms (accumulation.Layout)  |  transfer ring (slots)
+    |  id ring (shared only: :mod:`~otel_hicache._internal.shared.ids`)
 
 * The **table** holds every metric exactly: each counter series, the last pool reading, and each histogram series'
   bucket counts and sum (:mod:`otel_hicache._internal.shared.accumulation`). The host adds into it; an exporter only
@@ -20,8 +21,8 @@ Layout (all int64-aligned)::
   ``otel_hicache.records.dropped`` with the host's own count: see :class:`ChannelCounters`), and those every span
   exporter took (``SPANS_EXPORTED``, the exporter's too: what a summary calls delivered).
 
-Shared (``os.memfd_create``, inherited by the export process as a file descriptor, so nothing is left on disk or in
-``/dev/shm`` when either side dies) or private (an anonymous mapping, for the in-process consumer).
+Shared (``os.memfd_create``, mode ``0600``, inherited by the export process as a file descriptor, so nothing is left
+on disk or in ``/dev/shm`` when either side dies) or private (an anonymous mapping, for the in-process consumer).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
 from otel_hicache._internal.shared.accumulation import Counters, Key, Layout
+from otel_hicache._internal.shared.ids import ARENA_BYTES, IdRing, region_bytes
 from otel_hicache.records import TransferRecord
 from otel_hicache.semconv import Problem, TimingSource, TransferOperation
 
@@ -97,16 +99,19 @@ def slot_size(pools: int) -> int:
 
 
 class Channel:
-    """Header, counters and ring over one memory block; ``fd`` is set when the block can be shared."""
+    """Header, counters and ring over one memory block; ``fd`` is set when the block can be shared. ``ids``: the id
+    ring's arena in bytes (0: none; only a shared channel has one)."""
 
-    def __init__(self, layout: Layout, capacity: int, *, shared: bool, fd: int | None = None) -> None:
+    def __init__(self, layout: Layout, capacity: int, *, shared: bool, fd: int | None = None, ids: int = 0) -> None:
         if capacity < 1:
             raise ValueError("the ring needs at least one slot")
         self.layout = layout
         self.capacity = capacity
+        self.ids_bytes = ids
         self.slot = slot_size(len(layout.pools))
         self.ring_offset = (layout.end * 8 + 63) & ~63
-        size = self.ring_offset + capacity * self.slot
+        self.ids_offset = (self.ring_offset + capacity * self.slot + 63) & ~63
+        size = self.ids_offset + region_bytes(ids)
         attach = fd is not None
         if shared and fd is None:
             fd = _anonymous_file(size)
@@ -125,6 +130,7 @@ class Channel:
         self.floats = memoryview(self._map).cast("B").cast("d")  # the same slots, read as float64 (histogram sums)
         self.bytes = memoryview(self._map)
         self.counters = ChannelCounters(layout, self.ints, self.floats)
+        self.ids = IdRing(self.bytes[self.ids_offset :]) if ids else None
         self._pool_index = {pool: i for i, pool in enumerate(layout.pools)}
         self._labels: dict[str | None, bytes] = {None: b""}
         if attach:
@@ -149,8 +155,8 @@ class Channel:
     def shared_copy(self) -> Channel:
         """A shared channel holding everything this private one holds, ring included: a telemetry that could not
         have shared memory at first moves into it once it can. Raises OSError when it still cannot."""
-        copy = Channel(self.layout, self.capacity, shared=True)
-        copy.bytes[:] = self.bytes
+        copy = Channel(self.layout, self.capacity, shared=True, ids=self.ids_bytes or ARENA_BYTES)
+        copy.bytes[: len(self.bytes)] = self.bytes
         return copy
 
     def reset(self) -> None:
@@ -166,6 +172,8 @@ class Channel:
 
     def close(self) -> None:
         """Unmap and close the descriptor; the memory lives on while the other side still maps it."""
+        if self.ids is not None:
+            self.ids.release()
         self.ints.release()
         self.floats.release()
         self.bytes.release()
@@ -337,5 +345,6 @@ def _anonymous_file(size: int) -> int:
         handle, path = tempfile.mkstemp(prefix="otel-hicache-")
         os.unlink(path)
         fd = handle
+    os.fchmod(fd, 0o600)  # the id ring is in it: no other user opens it (through /proc/<pid>/fd/N)
     os.ftruncate(fd, size)
     return fd

@@ -31,7 +31,7 @@ class ExportPlan:
     from it again, with ``endpoint``, ``protocol`` and ``cardinality_limit``: ``configure()``'s arguments, which win
     over the variables). ``resource``: the host's Resource attributes. ``spans``: build spans (an exporter is
     configured for them). ``pools``, ``seed_pools`` and ``capacity`` describe the channel it maps (its counter table
-    and ring), filled in by :meth:`for_channel`.
+    and ring), filled in by :meth:`for_channel`; ``ids`` its id ring's arena in bytes (0: none), set at each launch.
     """
 
     environment: Mapping[str, str]
@@ -44,6 +44,7 @@ class ExportPlan:
     pools: tuple[str, ...] = ()
     seed_pools: tuple[str, ...] = ()
     capacity: int = 0
+    ids: int = 0
 
     def for_channel(self, pools: tuple[str, ...], seed_pools: tuple[str, ...], capacity: int) -> ExportPlan:
         """The plan for a channel of this layout."""

@@ -5,11 +5,12 @@ The access stream is what SGLang's prefill batches admit: every request a batch 
 the batch's stats (``PrefillStats.from_adder``, wrapped once per batch: no wrapper runs per request) from the batch's
 list, ``adder.can_run_list`` (a chunked request's later chunks, also in that list, are not admissions: a request is fed
 the first time a batch lists it; a retracted request coming back is left out, as SGLang leaves it out of its own
-per-tier counters). On the scheduler thread each admitted request is only handed over to the telemetry's host thread
-(one ``put`` on a bounded queue, two C calls); the page keys are computed there, from the request's prompt
-(``origin_input_ids``), a chain of hashes per SGLang page (:func:`otel_hicache.capacity.page_keys`, namespaced by the
-request's ``extra_key`` and ``cache_salt`` as SGLang's ``RadixKey`` is). No token id leaves that thread; only the curve
-leaves the process.
+per-tier counters). On the scheduler thread each admitted request's prompt (``origin_input_ids``) is handed over with
+:meth:`~otel_hicache.capacity.CapacityFeed.put_ids`: exporting over OTLP, its ids are copied (SGLang's ``array('q')``:
+one copy) into the id ring that only the export process maps, which computes the page keys and runs the estimator;
+in-process, a reference is queued for the telemetry's host thread. The page keys are a chain of hashes per SGLang page
+(:func:`otel_hicache.capacity.page_keys`, namespaced by the request's ``extra_key`` and ``cache_salt`` as SGLang's
+``RadixKey`` is). No token id goes anywhere else (docs/architecture.md, "Token ids"); only the curve is exported.
 
 What the model assumes of SGLang (``docs/sglang.md``):
 
@@ -61,7 +62,8 @@ class CapacityHooks(CapacityFeeder):
             if feed is not None:
                 for req in admitted:
                     if not req.retracted_stain:
-                        feed.put((next(feed.seq), req, len(req.origin_input_ids)))
+                        ids = req.origin_input_ids
+                        feed.put_ids(ids, len(ids), namespace_seed(req))
         return admitted
 
     def _feed_for(self, adder: Any) -> CapacityFeed | None:
@@ -79,12 +81,18 @@ class CapacityHooks(CapacityFeeder):
             TierCapacity(Tier.HOST, None, inclusive=not write_back, reclaims_copies=write_back),
         )
         page = int(cache.page_size)
-        return telemetry.capacity_feed(page, tiers, keys=lambda req: request_keys(req, page))
+        return telemetry.capacity_feed(page, tiers)
+
+
+def namespace_seed(req: Any) -> int:
+    """The seed of ``req``'s page keys: the namespace SGLang's radix tree keys its prompt in (``extra_key``,
+    ``cache_salt``; 0 for none)."""
+    namespace = (getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
+    return 0 if namespace == (None, None) else hash(namespace)
 
 
 def request_keys(req: Any, page_tokens: int) -> Iterable[Hashable]:
-    """The keys of ``req``'s full prompt pages (host thread), lazily (the estimator reads them a piece at a time): a
-    hash chain over its token ids per page, in the namespace SGLang's radix tree keys it in (``extra_key``,
-    ``cache_salt``: the chain's seed)."""
-    namespace = (getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
-    return page_keys(req.origin_input_ids, page_tokens, 0 if namespace == (None, None) else hash(namespace))
+    """The keys of ``req``'s full prompt pages, lazily (the estimator reads them a piece at a time): a hash chain over
+    its token ids per page, seeded by its namespace (:func:`namespace_seed`): what the estimator keys the ids
+    :meth:`~otel_hicache.capacity.CapacityFeed.put_ids` hands it by, in either process."""
+    return page_keys(req.origin_input_ids, page_tokens, namespace_seed(req))
