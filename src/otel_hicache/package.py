@@ -3,9 +3,11 @@ instrumentor) and what the demo needs, as requirement strings.
 
 Each adapter's ``instrumentation_dependencies()`` returns its own entry, and ``instrument()`` checks it (also under
 ``opentelemetry-instrument``, which passes ``skip_dep_check``): any one requirement of the entry installed at a
-supported version will do. Each entry is a closed range: the wrappers rely on the engine's private methods, so a
-release past the upper bound is refused with one warning until it has been checked (run the engine's suite against it,
-e.g. ``SGLANG_VERSION=... bash scripts/test.sh``).
+supported version will do. Each entry is the tested range: the wrappers rely on the engine's private methods. A release
+above the upper bound is instrumented untested, with one info line naming it (``integrations._base.newer_than_tested``):
+the shape check of each target decides what is patched, and the adapter's self-check says where the numbers disagree.
+A release below the lower bound is refused with one warning. Checking a new release: run the engine's suite against it
+(e.g. ``SGLANG_VERSION=... bash scripts/test.sh``) and raise the bound.
 
 The distribution declares no package-wide ``instruments`` extra on purpose: ``opentelemetry-instrument`` applies that
 extra to every instrumentor of the distribution (``get_dist_dependency_conflicts``), so an SGLang requirement there
