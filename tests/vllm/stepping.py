@@ -10,7 +10,7 @@ request that completes its prompt in a step samples token 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -25,6 +25,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.vllm import support
+
+_TAKES_INDEX = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
 
 init_none_hash(sha256)
 
@@ -81,9 +83,11 @@ class Stepper:
             request = self.scheduler.requests[req_id]
             done = request.num_computed_tokens + out.num_scheduled_tokens[req_id] >= request.num_tokens
             sampled.append([0] if done else [])
+        # vLLM < 0.34 also takes each request's index; 0.34 derives it from ``req_ids``
+        index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if _TAKES_INDEX else {}
         output = ModelRunnerOutput(
             req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            **index,
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
                 finished_sending=sending, finished_recving=receiving, kv_connector_worker_meta=worker_meta

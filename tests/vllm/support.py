@@ -11,6 +11,7 @@ vLLM's ``CPUOffloadingSpec`` with a worker doing real host copies, loaded the wa
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import vllm.triton_utils
 from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -26,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     TransferJob,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.platforms.cpu import CpuPlatform
 from vllm.utils.math_utils import round_up
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
@@ -40,6 +43,13 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from otel_hicache.testing.vllm import SPEC_MODULE
 from otel_hicache.testing.vllm_host_copy import HostCopySpec, HostCopyWorker  # noqa: F401  (test_faults alters it)
+
+# vLLM 0.34's CPU platform refuses an x86 machine without triton-cpu as it checks a config ("vLLM on x86 CPUs requires
+# Triton"); the CUDA wheel's Triton has no CPU backend, so vllm.triton_utils.HAS_TRITON is false there. The connector,
+# scheduler and host-copy paths of these tests (and of their engine processes, which import this module) launch no
+# Triton kernel: the check is told Triton is there. A platform with no such check (0.32's CPU build, 0.33) is left be.
+if "requires Triton" in inspect.getsource(CpuPlatform.check_and_update_config):
+    vllm.triton_utils.HAS_TRITON = True
 
 BLOCK_SIZE = 16  # tokens per GPU block
 NUM_GPU_BLOCKS = 64

@@ -9,6 +9,7 @@ support's real host-copy worker with its results altered on the way to vLLM's ``
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -75,22 +76,41 @@ def test_odd_sizes_and_times_give_vllm_exactly_the_outcome_it_has_uninstrumented
     assert sum(rejected.values()) == (0 if plain else 1)
 
 
-def test_what_vllm_counted_before_get_finished_raised_is_reported_and_forgotten(instrumented: Sdk) -> None:
-    # the third result failed: vLLM's get_finished asserts on it after counting the first two
+def test_a_failed_result_is_a_failure_on_vllm_that_completes_it_and_what_came_before_is_reported(
+    instrumented: Sdk,
+) -> None:
+    """The third of three stores fails. vLLM < 0.34 asserts on it in ``get_finished`` after counting the first two
+    (the failed job stays pending: vLLM never completed it); vLLM 0.34 completes it as failed
+    (``mark_completed(job_id, success=False)``): one failed backup, ``error.type=copy_failed``, nothing pending."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
     def fail_third(results: list[Any]) -> list[Any]:
         return [*results[:2], *(dataclasses.replace(r, success=False) for r in results[2:])]
 
+    completes_failures = "success" in inspect.signature(OffloadingWorkerMetadata.mark_completed).parameters
     engine = faulty_engine(fail_third)
-    with pytest.raises(AssertionError):
+    if completes_failures:
         engine.store_together({"a": [0], "b": [1, 2], "c": [3, 4, 5]})
-    counted = engine.transfer_stats.store
+    else:
+        with pytest.raises(AssertionError):
+            engine.store_together({"a": [0], "b": [1, 2], "c": [3, 4, 5]})
+    if completes_failures:  # the step completed: what vLLM counted went out with its worker metadata
+        vllm = engine.vllm_stats()
+        counted_bytes, counted_time = vllm["vllm:kv_offload_store_bytes"], vllm["vllm:kv_offload_store_time"]
+    else:  # get_finished raised: what it counted is still on the worker's metadata
+        counted_bytes, counted_time = engine.transfer_stats.store.bytes, engine.transfer_stats.store.time
     backups = [attributes(s) for s in instrumented.spans("hicache.backup")]
     assert [s["hicache.transfer.nodes"] for s in backups] == [1, 2]
-    assert sum(s["hicache.transfer.byte_count"] for s in backups) == counted.bytes == sum(counted.sizes) > 0
-    assert sum(s["hicache.transfer.copy_duration"] for s in backups) == pytest.approx(counted.time)
-    # the two reported jobs are no longer pending; the failed one, which vLLM never completed, is
+    assert sum(s["hicache.transfer.byte_count"] for s in backups) == counted_bytes > 0
+    assert sum(s["hicache.transfer.copy_duration"] for s in backups) == pytest.approx(counted_time)
     (state,) = [v for v in vars(engine.worker.connector_worker).values() if type(v).__name__ == "_Connector"]
-    assert [entry.blocks for entry in state.pending.values()] == [3]
+    failed = {"hicache.operation": "backup", "error.type": "copy_failed"}
+    if completes_failures:
+        assert state.pending == {}
+        assert instrumented.value("hicache.transfer.failures", failed) == 1
+    else:  # the two reported jobs are no longer pending; the failed one, which vLLM never completed, is
+        assert [entry.blocks for entry in state.pending.values()] == [3]
+        assert instrumented.counters().get("hicache.transfer.failures", {}) == {}
 
 
 def test_a_result_without_size_and_time_is_a_transfer_of_unknown_size_that_vllm_does_not_count(

@@ -22,10 +22,13 @@ lazy patching, the failure rule, :class:`Skips`).
 **What the base does the same way for every engine:**
 
 * ``instrument()`` checks the installed engine's version (also under ``skip_dep_check``, which
-  ``opentelemetry-instrument`` passes: the wrappers rely on the supported shapes) and registers one post-import hook per
-  target module (:func:`wrapt.register_post_import_hook`): it imports nothing of the engine (nor torch), each target is
-  patched when the engine imports its module (at once if it already has), and a target module this release does not
-  have is warned about at ``instrument()``;
+  ``opentelemetry-instrument`` passes: the wrappers rely on the supported shapes): a release in the tested range is
+  instrumented; one above it is instrumented untested, with one info line naming it (:func:`newer_than_tested`: the
+  shape check below decides target by target, and the adapter's self-check against the engine's own counters says
+  where the numbers disagree: ``otel_hicache.engine.mismatch`` and one warning); one below it, or none, is refused
+  with one warning. It then registers one post-import hook per target module (:func:`wrapt.register_post_import_hook`):
+  it imports nothing of the engine (nor torch), each target is patched when the engine imports its module (at once if
+  it already has), and a target module this release does not have is warned about at ``instrument()``;
 * **shape check**: a target that is missing, is not a plain function (a property, a C function, a class), or whose
   leading parameters are not the ones its wrapper reads (:attr:`Target.params`) is left unpatched, with one warning
   naming it; the rest is instrumented;
@@ -55,10 +58,15 @@ import logging
 import os
 from abc import abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as distribution_version
 from typing import Any, Final
 
 from opentelemetry.instrumentation.dependencies import DependencyConflict, get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from otel_hicache import semconv as sc
 from otel_hicache.integrations._once import ONCE, hook_failed, warn_once
@@ -133,6 +141,22 @@ def load_plugin(instrumentor: type[EngineInstrumentor], entry_point: str, **kwar
         hook_failed(instrumentor._engine, "plugin")
 
 
+def newer_than_tested(requirements: Iterable[str]) -> str | None:
+    """``"name version"`` of the first installed distribution that one of ``requirements`` names at a release above
+    its range (its lower bounds hold, an upper one does not), or ``None``. Such a release is admitted untested: each
+    target is shape-checked as it is patched. A release below the range, or one excluded otherwise, is not."""
+    for line in requirements:
+        try:
+            requirement = Requirement(line)
+            found = Version(distribution_version(requirement.name))
+        except (InvalidRequirement, InvalidVersion, PackageNotFoundError):
+            continue
+        lower = SpecifierSet(",".join(str(s) for s in requirement.specifier if s.operator in (">=", ">")))
+        if not requirement.specifier.contains(found, prereleases=True) and lower.contains(found, prereleases=True):
+            return f"{requirement.name} {found}"
+    return None
+
+
 class EngineInstrumentor(BaseInstrumentor):
     """Base of every engine adapter (see the module docstring). Subclasses set ``_engine``, ``_engine_id`` and
     implement ``instrumentation_dependencies`` and ``_patches``.
@@ -183,7 +207,13 @@ class EngineInstrumentor(BaseInstrumentor):
         under ``opentelemetry-instrument``, which passes ``skip_dep_check``, when the engine is simply absent)."""
         if not self.is_instrumented_by_opentelemetry:
             conflict = self._check_dependency_conflicts()
-            if conflict is not None:
+            untested = None if conflict is None else newer_than_tested(self.instrumentation_dependencies())
+            if untested is not None:
+                # the shape check decides, target by target; the self-check says where the numbers disagree
+                message = "otel_hicache: %s: %s is newer than the tested %s; instrumenting it untested, by shape."
+                args = (self._engine, untested, ", ".join(self.instrumentation_dependencies()))
+                (_log.info if ONCE.first(f"untested:{self._engine}:{untested}") else _log.debug)(message, *args)
+            elif conflict is not None:
                 found = conflict.found or ", ".join(conflict.found_any or ())
                 if not found and kwargs.get("skip_dep_check", False):
                     _log.debug("otel_hicache: %s is not installed; nothing to instrument.", self._engine)

@@ -37,20 +37,39 @@ class HostCopyWorker(OffloadingWorker):
         self._device = [t.tensor for t in kv_caches.tensors]
         self._host = [torch.zeros((num_chunks * blocks_per_chunk, t.shape[1]), dtype=torch.int8) for t in self._device]
         self._groups = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
+        #: each group's first data ref's tensor, whose row addresses vLLM 0.34's ``DevicePointers`` start with
+        self._first_tensor = [kv_caches.tensors[refs[0].tensor_idx].tensor for refs in kv_caches.group_data_refs]
         self._blocks_per_chunk = blocks_per_chunk
         self._finished: deque[TransferResult] = deque()
         #: What ``get_finished`` passes its results through before vLLM reads them (tests/vllm/test_faults.py).
         self.alter: Callable[[list[TransferResult]], list[TransferResult]] | None = None
 
-    def _copy(self, job_id: int, gpu_spec: GPULoadStoreSpec, chunk_ids: Any, to_host: bool) -> bool:
+    def _gpu_blocks(self, gpu_spec: Any) -> tuple[Any, Any, list[int]]:
+        """Each group's block count and first logical block, and the GPU block ids, of what the worker is handed:
+        a ``GPULoadStoreSpec`` (vLLM < 0.34), or the ``DevicePointers`` vLLM 0.34 resolves from one (each group's
+        rows, data ref by data ref: the first data ref's row addresses give the block ids back)."""
+        if hasattr(gpu_spec, "group_sizes"):
+            return gpu_spec.group_sizes, gpu_spec.block_indices, list(gpu_spec.block_ids)
+        block_ids: list[int] = []
+        offset = 0
+        for tensors, size, refs in zip(
+            self._first_tensor, gpu_spec.group_block_counts, gpu_spec.group_data_ref_counts, strict=True
+        ):
+            base, stride = tensors.data_ptr(), tensors.stride(0)
+            block_ids += [(int(p) - base) // stride for p in gpu_spec.ptrs[offset : offset + size]]
+            offset += size * refs
+        return gpu_spec.group_block_counts, gpu_spec.block_indices, block_ids
+
+    def _copy(self, job_id: int, gpu_spec: Any, chunk_ids: Any, to_host: bool) -> bool:
         """Copy each group's GPU blocks to or from the CPU chunks that follow on from the previous group's."""
         start = time.perf_counter()
         moved, block, chunks, bpc = 0, 0, list(chunk_ids), self._blocks_per_chunk
-        for tensors, size, first in zip(self._groups, gpu_spec.group_sizes, gpu_spec.block_indices, strict=True):
+        group_sizes, block_indices, block_ids = self._gpu_blocks(gpu_spec)
+        for tensors, size, first in zip(self._groups, group_sizes, block_indices, strict=True):
             skip = first % bpc  # a first GPU block in the middle of its CPU chunk
             group_chunks, chunks = chunks[: cdiv(size + skip, bpc)], chunks[cdiv(size + skip, bpc) :]
             rows = [c * bpc + i for c in group_chunks for i in range(bpc)][skip : skip + size]
-            gpu_index = torch.as_tensor(gpu_spec.block_ids[block : block + size], dtype=torch.long)
+            gpu_index = torch.as_tensor(block_ids[block : block + size], dtype=torch.long)
             host_index = torch.as_tensor(rows, dtype=torch.long)
             block += size
             for t in tensors:
@@ -66,6 +85,7 @@ class HostCopyWorker(OffloadingWorker):
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        """``src_spec``: the GPU blocks (a ``DevicePointers`` from vLLM 0.34: see :meth:`_gpu_blocks`)."""
         assert isinstance(dst_spec, BlockIDsLoadStoreSpec)  # vLLM's CPU spec: chunk ids
         return self._copy(job_id, src_spec, dst_spec.block_ids, to_host=True)
 

@@ -1,4 +1,5 @@
-"""OpenTelemetry for vLLM's KV offloading (``vllm >= 0.32, < 0.34``, CUDA or CPU build), with no change to vLLM's code.
+"""OpenTelemetry for vLLM's KV offloading (tested: ``vllm >= 0.32, < 0.35``, CUDA or CPU build; later releases by
+shape), with no change to vLLM's code.
 
 Zero-code, two ways. vLLM loads the ``vllm.general_plugins`` entry point ``vllm_kv_offload`` in every one of its
 processes (:mod:`.plugin`); each process that offloads configures telemetry from the ``OTEL_*`` environment when the

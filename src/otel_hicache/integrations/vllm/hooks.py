@@ -346,8 +346,8 @@ class OffloadHooks(EngineHooks):
         return result
 
     def mark_completed(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        """``OffloadingWorkerMetadata.mark_completed(job_id)``: the result's job is done (noted for the
-        ``get_finished`` of ours running on this thread)."""
+        """``OffloadingWorkerMetadata.mark_completed(job_id)`` (vLLM >= 0.34: ``(job_id, success=True)``): the
+        result's job is done, or failed (noted for the ``get_finished`` of ours running on this thread)."""
         result = wrapped(*args, **kwargs)
         events = getattr(self._finishing, "events", None)
         if events is not None:
@@ -371,7 +371,10 @@ class OffloadHooks(EngineHooks):
                 state.counted(event)
                 continue
             entry = state.pending.pop(_job_id(*event.args, **event.kwargs), None)
-            if entry is not None:
+            if entry is not None and not _succeeded(*event.args, **event.kwargs):
+                # vLLM >= 0.34 completes a failed job as failed (the copy did not happen): a failure, no transfer
+                sink.record_failure(TransferFailure(entry.operation, "copy_failed", entry.tokens_by_pool, done_ns))
+            elif entry is not None:
                 sizes = None if measured is None else _stats_arguments(*measured.args, **measured.kwargs)
                 # built and counted on the telemetry's host thread: off the step, whose next forward waits for it
                 sink.record_transfer_deferred(_built, (entry, sizes, done_ns, state.worker_timing))
@@ -460,8 +463,13 @@ def _stats_arguments(num_bytes: Any, time: Any) -> tuple[Any, Any]:
     return num_bytes, time
 
 
-def _job_id(job_id: Any) -> int:
+def _job_id(job_id: Any, success: Any = True) -> int:
     return int(job_id)
+
+
+def _succeeded(job_id: Any, success: Any = True) -> bool:
+    """Whether ``mark_completed`` completed its job as done (vLLM < 0.34 has no ``success``: always)."""
+    return success is not False
 
 
 def _counter_arguments(
