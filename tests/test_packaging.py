@@ -123,7 +123,7 @@ def test_the_readme_example_on_the_core_install_prints_nothing_on_stderr(tmp_pat
     """Without torch the host clock is the documented clock: no warning about CUDA timing. torch, click, tqdm and numpy
     are blocked by packages first on the path that raise ModuleNotFoundError on import, as a missing package does
     (the interpreter and its site-packages stay the real ones: a second venv would cost minutes per run)."""
-    script = readme_example("Report from your own engine") + "setup.shutdown()\n"
+    script = readme_example("The pipeline and your own engine") + "setup.shutdown()\n"
     done = subprocess.run(
         [sys.executable, "-c", script], env=blocked(tmp_path, *DEMO_ONLY), capture_output=True, text=True, timeout=120
     )
