@@ -9,8 +9,7 @@ batch, SGLang's split of its tokens; per admitted request, the hashes of its pro
 estimator samples (:func:`otel_hicache.capacity.page_keys`, each page sampled: the rate before the sample fills). Left
 out, because the CPU path has none of them: an ack's copy time (``timing_enabled`` is off on CPU), request links.
 ``benchmarks sglang`` also runs these records with the page hashes left out (:meth:`RawRecords.split` alone) beside
-the product's own capacity lookups on our host thread: what moving everything but the lookups out of the host would
-leave.
+the product's own hand-over of the capacity lookups (token ids to the export process).
 
 A measuring device of the least SGLang's scheduler thread could pay for our hooks, used by sglang.
 """

@@ -35,10 +35,10 @@ block):
 * floor: each of our hooks writes its raw record into shared memory itself, and nothing of ours runs on another
   thread (:mod:`benchmarks._sglang_floor`, a measuring device, not the product): the least any design that keeps these
   hooks and moves everything else out of the host process could cost the scheduler thread;
-* floor, lookups on our host thread: the floor's raw records but the page hashes, and each admitted request handed
-  to the product's capacity estimator as the instrumentor hands it (``CapacityHooks.admissions``: the page keys and
-  the model on our host thread, in its slices): what moving everything but the capacity lookups out of the host
-  process would leave (their page keys need the prompt's token ids, which must not leave the process).
+* floor, token ids to the export process: the floor's raw records but the page hashes, and each admitted request
+  handed to the product's capacity estimator as the instrumentor hands it (``CapacityHooks.admissions``: over OTLP,
+  the prompt's token ids copied into the id ring, keyed and modelled by the export process): what the floor costs
+  with the product's own hand-over of the capacity lookups.
 
 CPU shims and the cache builder: :mod:`otel_hicache.testing.sglang` (the SGLang tests use the same). On CPU,
 ``torch.cpu.Event`` cannot time, so SGLang's acks carry ``timing_enabled=False`` and no duration is observed on any
@@ -143,7 +143,7 @@ PROMETHEUS = "prometheus_client (SGLang --enable-metrics)"
 OURS = "otel_hicache instrumentor, OTLP"
 CONTROL = "control: our host thread's schedule alone"
 FLOOR = "floor: our hooks' raw records to shared memory, no host thread"
-LOOKUPS = "floor, capacity lookups on our host thread"
+LOOKUPS = "floor, token ids to the export process"
 #: the paths whose host thread is the telemetry's: its CPU and rounds are reported
 HOST_THREAD_PATHS = (OURS, LOOKUPS)
 
@@ -722,13 +722,14 @@ def _table(
             )
             left = table.data[f"{where}/{pattern}/{LOOKUPS}"]
             table.notes.append(
-                f"Floor with the capacity lookups on our host thread, {where}, {pattern}: submission + consumption "
+                f"Floor with the token ids to the export process, {where}, {pattern}: submission + consumption "
                 f"{left['paired_added'] / 1e3:+.1f} us ({left['ratio_paired']:.2f}x), whole "
                 f"{left['whole_added'] / 1e3:+.1f} us ({left['ratio_whole']:.2f}x), host-process CPU "
                 f"{left['host_cpu_added'] / 1e3:+.1f} us per transfer, "
                 f"{'at most' if left['host_cpu_added'] <= prom_host else 'above'} prometheus_client's "
                 f"({prom_host / 1e3:+.1f} us); our host thread {left['host_thread_cpu'] / 1e3:.1f} us of CPU and "
-                f"{left['host_thread_step_rounds']:.2f} rounds per transfer among the steps."
+                f"{left['host_thread_step_rounds']:.2f} rounds per transfer among the steps, the export process "
+                f"{left['export_cpu'] / 1e3:.1f} us."
             )
     table.data["goals"] = goals
     table.data["resolved"] = resolved
@@ -816,10 +817,10 @@ def _table(
         "that keeps these hooks and builds, counts and exports in another process could cost. A measuring device, "
         "not the product: no record is read back, and it leaves out the wrapper's own price (PrefillStats.from_adder "
         "is called directly) and what a GPU adds (an ack's copy time read from its events).",
-        "Floor with the capacity lookups on our host thread: the floor's raw records but the page hashes, and each "
+        "Floor with the token ids to the export process: the floor's raw records but the page hashes, and each "
         "admitted request handed to the product's capacity estimator as the instrumentor hands it "
-        "(CapacityHooks.admissions: its page keys, from the prompt's token ids, and the model's update run on our "
-        "host thread, in its slices). What moving everything but the lookups out of the host process would leave: "
-        "the page keys need the token ids, which no process of ours but the host may hold.",
+        "(CapacityHooks.admissions: over OTLP its token ids copied into the id ring in the channel's shared memory; "
+        "the export process keys them and runs the model). What the floor costs with the product's own hand-over of "
+        "the capacity lookups.",
     ]
     return table
