@@ -58,12 +58,12 @@ def _wrapped_cost(hook: Any, instance: Any, args: tuple[Any, ...]) -> float:
     around a no-op standing in for the engine's method, minus that no-op called bare."""
     import wrapt
 
-    from otel_hicache.integrations._patching import guarded
+    from otel_hicache.integrations._patching import AdapterSwitch, guarded
 
     def admission(*_: Any) -> None:
         return None
 
-    method = wrapt.FunctionWrapper(admission, guarded(hook, "bench", "capacity"))
+    method = wrapt.FunctionWrapper(admission, guarded(hook, "bench", "capacity", AdapterSwitch("bench")))
     bound = method.__get__(instance, type(instance))  # a method call on the engine's object, as in the engine
     n = 20_000
     return _thread_ns(lambda: bound(*args), n) - _thread_ns(lambda: admission(instance, *args), n)

@@ -1,12 +1,17 @@
-"""Shared fixtures: the in-memory SDK of :mod:`otel_hicache.testing.sdk`, and CUDA-only tests skipped without CUDA."""
+"""Shared fixtures: the in-memory SDK of :mod:`otel_hicache.testing.sdk`, an engine release simulated by its version
+string (:func:`installed_as`), and CUDA-only tests skipped without CUDA."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib.metadata
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from otel_hicache.testing.sdk import Sdk, make_sdk
+from tests.releases import record_release
 
 
 def _cuda_available() -> bool:
@@ -38,3 +43,19 @@ def sdk() -> Iterator[Sdk]:
     made = make_sdk()
     yield made
     made.shutdown()
+
+
+@pytest.fixture
+def installed_as(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str], str]:
+    """``installed_as(name, version)``: the distribution ``name`` reads as ``version`` from now on (a record put ahead
+    of the installed one on the path; the code stays what is installed); returns ``"name version"``."""
+
+    def installed(name: str, version: str) -> str:
+        directory = tmp_path / "releases"
+        directory.mkdir(exist_ok=True)
+        record_release(directory, name, version)
+        monkeypatch.setattr(sys, "path", [str(directory), *sys.path])
+        assert importlib.metadata.version(name) == version
+        return f"{name} {version}"
+
+    return installed

@@ -5,7 +5,7 @@ facade over the pipeline's parts in :mod:`otel_hicache._internal`: validation, c
 (:mod:`~otel_hicache._internal.host.counting`), the host-side worker and its thread
 (:mod:`~otel_hicache._internal.host.worker`) and the consumers of the ring
 (:mod:`~otel_hicache._internal.host.consumers`). The types an adapter holds are named here: :class:`DeferredQueue`,
-:class:`TransferSite`, :data:`Build`, :data:`PoolSource`, :data:`EngineCheck`.
+:class:`TransferSite`, :data:`Build`, :data:`PoolSource`, :data:`EngineCheck`, :data:`MismatchHandler`.
 
 What the host process pays (the scheduler thread is latency-critical, and every thread of its process shares its GIL):
 
@@ -59,7 +59,7 @@ from otel_hicache._internal.host.counting import Tally
 from otel_hicache._internal.host.deferred import Build, DeferredQueue
 from otel_hicache._internal.host.validation import Rejected
 from otel_hicache._internal.host.validation import Site as TransferSite
-from otel_hicache._internal.host.worker import EngineCheck, HostWorker, PoolSource, weakly
+from otel_hicache._internal.host.worker import EngineCheck, HostWorker, MismatchHandler, PoolSource, weakly
 from otel_hicache._internal.shared.accumulation import Layout
 from otel_hicache._internal.shared.channel import EXPORT_DROPPED, EXPORTER_PID, HEADER_INTS, SPANS_EXPORTED, Channel
 from otel_hicache.capacity import MAX_SAMPLED_KEYS, CapacityFeed, Keys, TierCapacity
@@ -81,6 +81,7 @@ __all__ = [
     "DeferredQueue",
     "EngineCheck",
     "HiCacheTelemetry",
+    "MismatchHandler",
     "PoolSource",
     "PoolUsage",
     "SpanDelivery",
@@ -364,14 +365,16 @@ class HiCacheTelemetry:
     def remove_pool_usage_source(self, source: PoolSource) -> None:
         self._host.remove_pool_source(source)
 
-    def add_engine_check(self, check: EngineCheck) -> None:
+    def add_engine_check(self, check: EngineCheck, on_mismatch: MismatchHandler | None = None) -> None:
         """Register an engine self-check: ``check()`` returns the names (``semconv.METRIC_*``) of our instruments
         whose totals disagree with the engine's own counters in this process; each name counts one
         ``otel_hicache.engine.mismatch`` with a one-time warning. It runs on a host thread about once a second and
         before each flush and snapshot, never on the hot path and never two at once; it may call :meth:`snapshot`.
         Our records can lag the engine's counters (deferred records, a count the engine makes after ours): the check
-        reports a mismatch only when it is real. A check that raises is skipped and counted."""
-        self._host.add_engine_check(check)
+        reports a mismatch only when it is real. A check that raises is skipped and counted. ``on_mismatch(names)``,
+        if given, is called with what the check reported, once it is counted (on that host thread; it must not raise):
+        an adapter's off switch; returning True ends the check."""
+        self._host.add_engine_check(check, on_mismatch)
 
     def remove_engine_check(self, check: EngineCheck) -> None:
         self._host.remove_engine_check(check)

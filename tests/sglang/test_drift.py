@@ -243,3 +243,43 @@ def test_the_self_check_finds_nothing_when_both_count_the_same(
     snap = instrumented.counters()
     assert snap[sc.METRIC_TRANSFER_TOKENS][("load_back", "kv")] == len(SEQ)  # there was something to compare
     assert checked_for(instrumented, 3 * LAG_S) == {}
+
+
+def test_a_mismatch_on_a_release_above_the_tested_range_turns_the_adapter_off_with_one_warning(
+    cpu_sglang: None,
+    otel: Sdk,
+    sglang_metrics: Any,
+    caplog: pytest.LogCaptureFixture,
+    short_lag: None,
+    installed_as: Callable[[str, str], str],
+) -> None:
+    """An untested release whose ack queue is a ``deque`` (our consumption hook sees no ack) while SGLang's collector
+    counts each backup: the self-check's first mismatch turns the adapter off in this process."""
+    from otel_hicache.integrations.sglang import SGLangHiCacheInstrumentor
+
+    release = installed_as("sglang", "0.9.0")
+    instrumentor = SGLangHiCacheInstrumentor()
+    with caplog.at_level(logging.INFO, logger="otel_hicache"):
+        instrumentor.instrument(telemetry=otel.telemetry, stat_loggers=False)
+        try:
+            cache, allocator, _ = build_hicache("write_through", metrics=sglang_metrics)
+            cc = cache.cache_controller
+            cc.ack_write_queue = deque(cc.ack_write_queue)
+            insert(cache, allocator, SEQ)
+            cache.flush_pending_backups()
+            ack = cc.ack_write_queue.popleft()
+            ack.finish_event.synchronize()
+            cache._log_write_ack_metrics(ack)  # SGLang counts it; we never saw it
+            counted = checked_for(otel, 3 * LAG_S)
+            assert counted == {(sc.METRIC_TRANSFER_TOKENS,): 1, (sc.METRIC_TRANSFER_SIZE,): 1}
+
+            _, queue = submitted_backup(sglang_metrics)  # a list queue: the backup our hooks report when on
+            REMOVALS["del q[0]"](queue)
+            assert otel.spans("hicache.backup") == []  # off: our wrappers pass straight through
+            assert otel.counters()[sc.METRIC_TRANSFER_TOKENS].get(("backup", "kv"), 0) == 0
+            assert checked_for(otel, 3 * LAG_S) == counted  # its check ended
+        finally:
+            instrumentor.uninstrument()
+    off = [r.getMessage() for r in caplog.records if "off in this process" in r.getMessage()]
+    assert len(off) == 1 and release in off[0]
+    assert f"{sc.METRIC_TRANSFER_SIZE}, {sc.METRIC_TRANSFER_TOKENS}" in off[0]

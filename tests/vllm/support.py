@@ -15,6 +15,8 @@ import inspect
 import json
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -320,10 +322,20 @@ class WrappedCalls(_Calls):
     guard that every wrapper of ours runs in is what is counted, so each wrapped call is, whichever hook it serves."""
 
     def __init__(self) -> None:
-        from otel_hicache.integrations._patching import guarded
+        from otel_hicache.integrations._patching import AdapterSwitch, guarded
 
         super().__init__()
-        self._code = guarded(lambda *args: None, "", "").__code__  # every guard shares its code
+        self._code = guarded(lambda *args: None, "", "", AdapterSwitch("")).__code__  # every guard shares its code
 
     def _name(self, frame: Any) -> str | None:
         return str(frame.f_locals["hook"]) if frame.f_code is self._code else None
+
+
+@contextmanager
+def restored(owner: type, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` set back to ``value`` on the way out (before a fixture uninstruments: a monkeypatch, undone
+    after it, would leave our wrapper on the class)."""
+    try:
+        yield
+    finally:
+        setattr(owner, name, value)

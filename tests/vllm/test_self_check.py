@@ -5,9 +5,6 @@ per instrument, so an adapter that undercounts after a vLLM change says so."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import pytest
 
@@ -17,14 +14,6 @@ from tests.vllm import support
 pytestmark = pytest.mark.vllm
 
 MISMATCH = "otel_hicache.engine.mismatch"
-
-
-@contextmanager
-def restored(owner: type, name: str, value: Any) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        setattr(owner, name, value)
 
 
 def test_a_run_the_adapter_reports_in_full_has_no_mismatch(instrumented: Sdk) -> None:
@@ -43,7 +32,10 @@ def test_a_vllm_change_the_adapter_misses_is_counted_as_a_mismatch_with_one_warn
 
     ours = vars(OffloadingWorkerMetadata)["mark_completed"]
     # ours goes back before the fixture uninstruments (a monkeypatch, undone after it, would leave it on the class)
-    with restored(OffloadingWorkerMetadata, "mark_completed", ours), caplog.at_level(logging.WARNING, "otel_hicache"):
+    with (
+        support.restored(OffloadingWorkerMetadata, "mark_completed", ours),
+        caplog.at_level(logging.WARNING, "otel_hicache"),
+    ):
         OffloadingWorkerMetadata.mark_completed = ours.__wrapped__  # vLLM's own, without our hook
         engine = support.engine()
         engine.store_together({"a": [0], "b": [1, 2]})  # one step: one hand-over to the scheduler
@@ -73,7 +65,7 @@ def test_a_transfer_the_adapter_never_noted_is_a_mismatch_also_in_steps_that_ski
     worker = engine.worker.connector_worker
     assert "get_finished" in vars(worker)
     ours = vars(OffloadingConnectorWorker)["handle_preemptions"]
-    with restored(OffloadingConnectorWorker, "handle_preemptions", ours):
+    with support.restored(OffloadingConnectorWorker, "handle_preemptions", ours):
         OffloadingConnectorWorker.handle_preemptions = ours.__wrapped__  # vLLM's own, without our hook
         engine.store_together({"a": [0], "b": [1, 2]})
     assert engine.transfer_stats.store.bytes == 0  # handed to the scheduler at the step's end

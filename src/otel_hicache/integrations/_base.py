@@ -24,8 +24,9 @@ lazy patching, the failure rule, :class:`Skips`).
 * ``instrument()`` checks the installed engine's version (also under ``skip_dep_check``, which
   ``opentelemetry-instrument`` passes: the wrappers rely on the supported shapes): a release in the tested range is
   instrumented; one above it is instrumented untested, with one info line naming it (:func:`newer_than_tested`: the
-  shape check below decides target by target, and the adapter's self-check against the engine's own counters says
-  where the numbers disagree: ``otel_hicache.engine.mismatch`` and one warning); one below it, or none, is refused
+  shape check below decides target by target, and the first mismatch the adapter's self-check against the engine's
+  own counters finds in a process turns the adapter off there, with one warning: :class:`AdapterSwitch`); one below
+  it, or none, is refused
   with one warning. It then registers one post-import hook per target module (:func:`wrapt.register_post_import_hook`):
   it imports nothing of the engine (nor torch), each target is patched when the engine imports its module (at once if
   it already has), and a target module this release does not have is warned about at ``instrument()``;
@@ -71,6 +72,7 @@ from packaging.version import InvalidVersion, Version
 from otel_hicache import semconv as sc
 from otel_hicache.integrations._once import ONCE, hook_failed, warn_once
 from otel_hicache.integrations._patching import (
+    AdapterSwitch,
     Patching,
     Skips,
     Target,
@@ -95,6 +97,7 @@ __all__ = [
     "ADAPTER_LAYOUT",
     "MAX_PENDING",
     "ONCE",
+    "AdapterSwitch",
     "AdmissionHooks",
     "CapacityFeeder",
     "EngineHooks",
@@ -182,6 +185,7 @@ class EngineInstrumentor(BaseInstrumentor):
     _sink_key: tuple[Any, ...] = ()
     _patch: Patching | None = None
     _hooks: tuple[EngineHooks, ...] = ()  # the groups of wrappers patched (detached at uninstrument)
+    _untested: str | None = None  # "name version" of a release above the tested range, instrumented by shape
     _exit_registered = False
 
     @abstractmethod
@@ -208,6 +212,7 @@ class EngineInstrumentor(BaseInstrumentor):
         if not self.is_instrumented_by_opentelemetry:
             conflict = self._check_dependency_conflicts()
             untested = None if conflict is None else newer_than_tested(self.instrumentation_dependencies())
+            self._untested = untested
             if untested is not None:
                 # the shape check decides, target by target; the self-check says where the numbers disagree
                 message = "otel_hicache: %s: %s is newer than the tested %s; instrumenting it untested, by shape."
@@ -233,10 +238,12 @@ class EngineInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         """Arm the post-import hooks that put the adapter's wrappers on their targets (each under the failure rule),
         and the exit flush."""
-        wrappers = list(self._patches(self._process_sink(kwargs), kwargs))
+        sink = self._process_sink(kwargs)
+        sink.switch.untested, sink.switch.off = self._untested, False  # instrument() again: on again
+        wrappers = list(self._patches(sink, kwargs))
         hooks = (getattr(wrapper, "__self__", None) for _, wrapper in wrappers)
         self._hooks = tuple({id(h): h for h in hooks if isinstance(h, EngineHooks)}.values())
-        patches = [(target, guarded(wrapper, self._engine, target.name)) for target, wrapper in wrappers]
+        patches = [(target, guarded(wrapper, self._engine, target.name, sink.switch)) for target, wrapper in wrappers]
         self._patch = Patching(self._engine, patches)
         if not self._exit_registered:
             # Spans wait in the telemetry queue for its worker; hand them to the SDK before the SDK's own exit

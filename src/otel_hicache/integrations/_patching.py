@@ -1,7 +1,8 @@
 """Putting wrappers on an engine, and taking them off: the target table's entries (:class:`Target`), the shape check,
 lazy patching as the engine's modules are imported (:class:`Patching`), the failure rule (:func:`guarded`): a
-wrapper never raises into the engine and never changes the engine's exception, and an engine object that calls the
-engine's method past our wrapper (:class:`Skips`)."""
+wrapper never raises into the engine and never changes the engine's exception, an engine object that calls the
+engine's method past our wrapper (:class:`Skips`), and the switch that turns an untested release's adapter off
+(:class:`AdapterSwitch`)."""
 
 from __future__ import annotations
 
@@ -185,13 +186,48 @@ class _Call:
         return self.result
 
 
-def guarded(wrapper: Wrapper, engine: str, hook: str) -> Wrapper:
-    """``wrapper`` under the failure rule, and passing straight through under ``suppress_instrumentation()`` unless
-    it is marked :func:`checks_suppression`."""
+class AdapterSwitch:
+    """Whether an adapter's wrappers report in this process.
+
+    A release above the tested range (:attr:`untested`, ``"name version"``) is instrumented by shape, and the
+    adapter's self-check against the engine's own counters is what says the numbers still mean what they say: the
+    first mismatch it finds in a process turns the adapter off there (:meth:`mismatched`), with one warning naming the
+    instruments. Its wrappers then pass straight through and its pool readings stop; the mismatch stays counted in
+    ``otel_hicache.engine.mismatch``. In the tested range a mismatch is counted and warned only (a bug of ours to
+    report, while the rest of the adapter's telemetry still holds). A forked child inherits the switch (the same
+    release, the same code); a new ``instrument()`` turns it on again.
+    """
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.untested: str | None = None
+        self.off = False
+
+    def mismatched(self, names: list[str]) -> bool:
+        """An engine check's report (``on_mismatch``): turn off if the release is untested; True, the check ends."""
+        if self.untested is None:
+            return False
+        if not self.off:
+            self.off = True
+            warn_once(
+                f"off:{self.engine}:{self.untested}",
+                "otel_hicache: %s: %s disagrees with the engine's own counters on the untested %s; the %s "
+                "instrumentation is off in this process (pin a tested release to keep it).",
+                self.engine,
+                ", ".join(sorted(names)),
+                self.untested,
+                self.engine,
+            )
+        return True
+
+
+def guarded(wrapper: Wrapper, engine: str, hook: str, switch: AdapterSwitch) -> Wrapper:
+    """``wrapper`` under the failure rule, passing straight through while ``switch`` is off, and under
+    ``suppress_instrumentation()`` unless it is marked :func:`checks_suppression`."""
     guarded = not _checks_suppression(wrapper)
 
     def safe(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if guarded and suppressed():
+        if switch.off or (guarded and suppressed()):
             return wrapped(*args, **kwargs)
         call = _Call(wrapped)
         try:

@@ -16,7 +16,7 @@ from opentelemetry import metrics, trace
 from otel_hicache import semconv as sc
 from otel_hicache.capacity import CapacityFeed
 from otel_hicache.integrations._once import warn_once
-from otel_hicache.integrations._patching import Skips
+from otel_hicache.integrations._patching import AdapterSwitch, Skips
 from otel_hicache.records import PoolUsage
 from otel_hicache.telemetry import DeferredQueue, HiCacheTelemetry
 
@@ -48,18 +48,22 @@ def trim(table: dict[Any, Any]) -> None:
 
 class WeakPoolSource:
     """A pool-usage source (:meth:`~otel_hicache.telemetry.HiCacheTelemetry.add_pool_usage_source`) reading
-    ``read(owner)`` at collection while the engine's ``owner`` lives, and removing itself once it is gone."""
+    ``read(owner)`` at collection while the engine's ``owner`` lives and ``switch`` is on, and removing itself once
+    either is not."""
 
-    __slots__ = ("__weakref__", "_owner", "_read", "_telemetry")
+    __slots__ = ("__weakref__", "_owner", "_read", "_switch", "_telemetry")
 
-    def __init__(self, owner: Any, read: Callable[[Any], Iterable[PoolUsage]], telemetry: HiCacheTelemetry) -> None:
+    def __init__(
+        self, owner: Any, read: Callable[[Any], Iterable[PoolUsage]], telemetry: HiCacheTelemetry, switch: AdapterSwitch
+    ) -> None:
         self._owner = weakref.ref(owner)
         self._read = read
         self._telemetry = telemetry
+        self._switch = switch
 
     def __call__(self) -> Iterable[PoolUsage]:
         owner = self._owner()
-        if owner is None:
+        if owner is None or self._switch.off:
             self._telemetry.remove_pool_usage_source(self)
             return ()
         return self._read(owner)
@@ -89,6 +93,7 @@ class ProcessSink:
     ) -> None:
         self.engine = engine
         self.telemetry = telemetry
+        self.switch = AdapterSwitch(engine.value)  # set to the release by the instrumentor; off on an untested mismatch
         self.setup: Any = None  # the TelemetrySetup that owns a telemetry built from the environment
         self._extra_pools = tuple(extra_pools)
         self._providers = providers

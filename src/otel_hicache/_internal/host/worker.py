@@ -86,6 +86,8 @@ RETRY_START_S = 1.0
 PoolSource = Callable[[], Iterable[PoolUsage]]
 #: An engine self-check: the names of our instruments whose totals disagree with the engine's own counters.
 EngineCheck = Callable[[], Iterable[str]]
+#: Told what an engine check reported, after it is counted; True ends that check (an adapter that turned itself off).
+MismatchHandler = Callable[[list[str]], bool]
 _P = ParamSpec("_P")
 _log = logging.getLogger("otel_hicache.telemetry")
 
@@ -116,7 +118,7 @@ class HostWorker:
         self._described: tuple[IdRing, int] | None = None  # the id ring and feed generation last described in it
         self.schedule = pacing.Schedule()  # the host thread's slices in its round, which a long build keeps to
         self.pool_sources: list[PoolSource] = []
-        self.engine_checks: list[EngineCheck] = []
+        self.engine_checks: list[tuple[EngineCheck, MismatchHandler | None]] = []
         self._checking = threading.Lock()  # one run of the engine checks at a time; a check may call snapshot()
         self._pools_reported = False  # the gauges hold a reading (cleared once the last source is gone)
         # record_transfer_deferred's queue first, then the producers' own (new_queue())
@@ -169,8 +171,8 @@ class HostWorker:
         self.pool_sources.append(source)
         self.start()  # read every POOL_INTERVAL_S: no faster tick (vLLM's engine core would wake 20 times a second)
 
-    def add_engine_check(self, check: EngineCheck) -> None:
-        self.engine_checks.append(check)
+    def add_engine_check(self, check: EngineCheck, on_mismatch: MismatchHandler | None = None) -> None:
+        self.engine_checks.append((check, on_mismatch))
         if self._thread is None:
             self._start_thread()
 
@@ -179,8 +181,7 @@ class HostWorker:
             self.pool_sources.remove(source)
 
     def remove_engine_check(self, check: EngineCheck) -> None:
-        if check in self.engine_checks:
-            self.engine_checks.remove(check)
+        self.engine_checks = [entry for entry in self.engine_checks if entry[0] is not check]
 
     # ------------------------------------------------------------------ starting
     def start(self) -> bool:
@@ -369,13 +370,15 @@ class HostWorker:
         if not self.engine_checks or not self._checking.acquire(blocking=False):
             return  # none, or running on another thread (or a check called snapshot())
         try:
-            for check in list(self.engine_checks):
+            for check, on_mismatch in list(self.engine_checks):
                 try:
                     names = list(check())
                 except Exception:
                     self._tally.reject(RecordKind.ENGINE_CHECK, Problem.SOURCE_FAILED)
                     continue
                 self._tally.mismatches(names)
+                if names and on_mismatch is not None and on_mismatch(names):
+                    self.remove_engine_check(check)
         finally:
             self._checking.release()
 

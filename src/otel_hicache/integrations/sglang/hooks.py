@@ -84,7 +84,7 @@ class HiCacheHooks(EngineHooks):
         self._storage_waits: dict[str, tuple[float, int]] = {}
         self._evictions = Evictions()  # the eviction passes running on this thread, innermost last
         self._clock = AccessClock()  # SGLang's access counter -> time, for the age of evicted nodes
-        self._check = SelfCheck()  # against SGLang's own collector
+        self._check = SelfCheck(sink.switch)  # against SGLang's own collector
 
     def _links(self, controller: Any) -> dict[str, Links]:
         """``controller``'s request links, per direction (a load-back's request is never linked to a backup)."""
@@ -421,6 +421,6 @@ class HiCacheHooks(EngineHooks):
         result = wrapped(*args, **kwargs)
         telemetry = self._sink()
         if telemetry is not None:
-            telemetry.add_pool_usage_source(WeakPoolSource(instance, host_pool_usage, telemetry))
+            telemetry.add_pool_usage_source(WeakPoolSource(instance, host_pool_usage, telemetry, self.sink.switch))
             self._check.add(telemetry, instance)
         return result

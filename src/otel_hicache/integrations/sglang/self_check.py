@@ -12,6 +12,7 @@ import weakref
 from collections import deque
 from typing import Any
 
+from otel_hicache.integrations._patching import AdapterSwitch
 from otel_hicache.semconv import (
     METRIC_DROPPED_TOKENS,
     METRIC_EVICTION_TOKENS,
@@ -43,7 +44,8 @@ class SelfCheck:
     """The one :class:`CountersCheck` of a set of hooks: compared while every cache reporting through them counts
     into one SGLang collector; a cache without one (or with another) ends the comparison for good."""
 
-    def __init__(self) -> None:
+    def __init__(self, switch: AdapterSwitch) -> None:
+        self._switch = switch  # the adapter's: an untested release's mismatch turns it off
         self._check: CountersCheck | None = None
         self._incomparable = False  # a cache counts into no collector, or into another: no self-check
 
@@ -53,7 +55,7 @@ class SelfCheck:
         check = self._check
         if check is None and collector is not None and not self._incomparable:
             self._check = check = CountersCheck(telemetry, collector)
-            telemetry.add_engine_check(check)
+            telemetry.add_engine_check(check, self._switch.mismatched)
         if check is not None and check.collector is collector:
             check.caches.add(cache)
             return

@@ -104,9 +104,11 @@ class CpuTierHooks(EngineHooks):
             stated = _stated_capacity(manager, config.groups[0].tokens_per_block)
             capacity = manager._num_chunks * tokens_per_chunk if stated is None else stated
             usage = partial(_cpu_tier_usage, tokens_per_chunk, capacity)
-            sink.add_pool_usage_source(WeakPoolSource(manager, usage, sink))
+            sink.add_pool_usage_source(WeakPoolSource(manager, usage, sink, self.sink.switch))
             if stated is not None:
-                sink.add_engine_check(_CapacityCheck(manager, tokens_per_chunk, stated, sink))
+                sink.add_engine_check(
+                    _CapacityCheck(manager, tokens_per_chunk, stated, sink), self.sink.switch.mismatched
+                )
             await_export_process(self.sink)  # the engine core builds its CPU tier while it starts
         return manager
 

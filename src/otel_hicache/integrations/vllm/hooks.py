@@ -234,7 +234,7 @@ class OffloadHooks(EngineHooks):
             setattr(worker, self._attr, state)
             if sink is not None:
                 self._connectors.add(state)
-                sink.add_engine_check(_TransferCheck(state, sink))
+                sink.add_engine_check(_TransferCheck(state, sink), self.sink.switch.mismatched)
         return state
 
     # ------------------------------------------------------------------ start: OffloadingConnectorWorker
