@@ -215,6 +215,7 @@ def vllm() -> list[str]:
     from otel_hicache.capacity import TierCapacity
     from otel_hicache.integrations._base import ProcessSink
     from otel_hicache.integrations.vllm.capacity import CapacityHooks
+    from otel_hicache.integrations.vllm.cpu_tier import CpuTierHooks
     from otel_hicache.integrations.vllm.instrumentor import vllm_ranks
     from otel_hicache.semconv import Engine, Tier
     from otel_hicache.telemetry import HiCacheTelemetry
@@ -229,7 +230,8 @@ def vllm() -> list[str]:
 
     rows = []
     telemetry = HiCacheTelemetry(meter_provider=MeterProvider())
-    hooks = CapacityHooks(ProcessSink(Engine.VLLM, telemetry=telemetry), vllm_ranks)
+    sink = ProcessSink(Engine.VLLM, telemetry=telemetry)
+    hooks = CapacityHooks(sink, vllm_ranks, CpuTierHooks(sink, vllm_ranks))
     feed = telemetry.capacity_feed(block, (TierCapacity(Tier.DEVICE, 1 << 20), TierCapacity(Tier.HOST, 1 << 21)))
     hooks._started, hooks._feed = True, feed  # as after the first admission (which reads the KVCacheManager)
     admitted = request(list(range(1, PROMPT_TOKENS + 1)))

@@ -15,19 +15,27 @@ What the model assumes of vLLM (``docs/vllm.md``):
   a KV cache of one group (full attention; a hybrid model's groups are not modelled: no curve);
 * the host tier is the CPU offloading tier, of its size in chunks (its ``hicache.pool.limit``, read at each
   collection), inclusive: vLLM offers every full block of every request to it, and its LRU (the CPU spec's default
-  ``eviction_policy``) touches a request's chunks last chunk first when the request finishes; an ``arc`` policy is
-  modelled as that LRU;
+  ``eviction_policy``) touches a request's chunks last chunk first when the request finishes. A CPU tier of another
+  policy (``arc``, an out-of-tree one) is not modelled: the curve has no host points, with one info line (the device
+  tier is still predicted: it holds what it holds whatever the CPU tier keeps);
 * a prompt's last full block counts as a possible hit (vLLM recomputes a prompt's last token: off by one block for a
   prompt repeated exactly).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity
-from otel_hicache.integrations._base import AdmissionHooks, Target
-from otel_hicache.semconv import Tier
+from otel_hicache.integrations._base import ONCE, AdmissionHooks, ProcessSink, Ranks, Target
+from otel_hicache.integrations.vllm.cpu_tier import CpuTierHooks
+from otel_hicache.semconv import METRIC_CAPACITY_HIT_RATIO, Tier
+
+#: The CPU tier's eviction policy the model follows (vLLM's default).
+MODELLED_POLICY = "lru"
+_log = logging.getLogger(__name__)
 
 #: The admission the estimator is fed from (wrapped by :meth:`CapacityHooks.admitted`).
 CAPACITY_TARGET = Target(
@@ -37,7 +45,12 @@ CAPACITY_TARGET = Target(
 
 class CapacityHooks(AdmissionHooks):
     """The wrapper of vLLM's prefix-cache admission (``KVCacheManager.record_prefix_cache_stats(request,
-    num_hits)``) feeding the engine core's capacity estimator: the request's block hashes are handed over."""
+    num_hits)``) feeding the engine core's capacity estimator: the request's block hashes are handed over. ``cpu_tier``:
+    the CPU tier's hooks, which say how that tier evicts."""
+
+    def __init__(self, sink: ProcessSink, ranks: Callable[[Any], Ranks], cpu_tier: CpuTierHooks) -> None:
+        super().__init__(sink, ranks)
+        self._cpu_tier = cpu_tier
 
     def _payload(self, args: tuple, kwargs: dict) -> tuple[Any, int] | None:
         request = args[0] if args else kwargs["request"]
@@ -51,8 +64,12 @@ class CapacityHooks(AdmissionHooks):
         if telemetry is None or not manager.enable_caching or len(groups) != 1:
             return None
         block_tokens = int(groups[0].kv_cache_spec.block_size)
-        tiers = (
-            TierCapacity(Tier.DEVICE, (int(manager.block_pool.num_gpu_blocks) - 1) * block_tokens),
-            TierCapacity(Tier.HOST, None),  # the CPU tier's reading, where there is one
-        )
+        tiers = [TierCapacity(Tier.DEVICE, (int(manager.block_pool.num_gpu_blocks) - 1) * block_tokens)]
+        unmodelled = sorted(self._cpu_tier.policies() - {MODELLED_POLICY})
+        if unmodelled:
+            message = "otel_hicache: vLLM's CPU tier evicts by %s; %s models %r only: no points for the host tier."
+            args = (", ".join(repr(p) for p in unmodelled), METRIC_CAPACITY_HIT_RATIO, MODELLED_POLICY)
+            (_log.info if ONCE.first(f"capacity-policy:{unmodelled}") else _log.debug)(message, *args)
+        else:
+            tiers.append(TierCapacity(Tier.HOST, None))  # the CPU tier's reading, where there is one
         return telemetry.capacity_feed(block_tokens, tiers)

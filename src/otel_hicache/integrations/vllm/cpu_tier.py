@@ -18,6 +18,9 @@ with a ``lock`` its scheduler holds for a whole step: nothing here takes it. The
 under it (vLLM calls them there) and only note a few numbers (an eviction pass is counted on the telemetry's host
 thread, from a patient queue); the occupancy is read at collection, on our own thread, from two integers and a list
 length, without the lock.
+
+Each tier's eviction policy (the spec's ``eviction_policy``: ``lru``, vLLM's default, ``arc``, or an out-of-tree
+name) is kept for the capacity estimator (:meth:`CpuTierHooks.policies`), which models LRU only.
 """
 
 from __future__ import annotations
@@ -45,10 +48,22 @@ class _CpuTier:
     """One CPU tier's queue of eviction passes, its chunk size in tokens and bytes, and per chunk id its last use and
     state."""
 
-    __slots__ = ("__weakref__", "chunk_bytes", "evicting", "evictions", "last_use_ns", "state", "tokens_per_chunk")
+    __slots__ = (
+        "__weakref__",
+        "chunk_bytes",
+        "evicting",
+        "evictions",
+        "last_use_ns",
+        "policy",
+        "state",
+        "tokens_per_chunk",
+    )
 
-    def __init__(self, evictions: DeferredQueue, chunks: int, tokens_per_chunk: int, chunk_bytes: int) -> None:
+    def __init__(
+        self, evictions: DeferredQueue, chunks: int, tokens_per_chunk: int, chunk_bytes: int, policy: str
+    ) -> None:
         self.evictions = evictions  # counted on the host thread (_count_evictions)
+        self.policy = policy  # the spec's eviction_policy ("" where the spec states none)
         self.tokens_per_chunk = tokens_per_chunk
         self.chunk_bytes = chunk_bytes
         self.last_use_ns = array("q", bytes(8 * chunks))
@@ -100,7 +115,8 @@ class CpuTierHooks(EngineHooks):
                 else 0
             )
             with self._lock:
-                self._tiers[manager] = _CpuTier(evictions, manager._num_chunks, tokens_per_chunk, chunk_bytes)
+                policy = str(getattr(instance, "eviction_policy", "") or "")
+                self._tiers[manager] = _CpuTier(evictions, manager._num_chunks, tokens_per_chunk, chunk_bytes, policy)
             stated = _stated_capacity(manager, config.groups[0].tokens_per_block)
             capacity = manager._num_chunks * tokens_per_chunk if stated is None else stated
             usage = partial(_cpu_tier_usage, tokens_per_chunk, capacity)
@@ -111,6 +127,11 @@ class CpuTierHooks(EngineHooks):
                 )
             await_export_process(self.sink)  # the engine core builds its CPU tier while it starts
         return manager
+
+    def policies(self) -> set[str]:
+        """The eviction policies of the CPU tiers this process built and still holds."""
+        with self._lock:
+            return {tier.policy for tier in self._tiers.values()}
 
     def prepare_store(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``CPUOffloadingManager.prepare_store``: the chunks it evicts to make room are one eviction pass on the CPU

