@@ -10,6 +10,7 @@ request that completes its prompt in a step samples token 0.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -95,12 +96,15 @@ class Stepper:
         )
         self.outputs.append(self.scheduler.update_from_output(out, output))
 
-    def run(self, steps: int = 50) -> None:
-        """Step until no request is left (at most ``steps``)."""
+    def run(self, steps: int = 50, pause_s: float = 0.0) -> None:
+        """Step until no request and no job of the connector or its manager is left (at most ``steps``), pausing
+        ``pause_s`` between steps as a forward pass would (a storage tier's I/O threads work meanwhile)."""
+        pending = getattr(self.connector.manager, "has_pending_work", lambda: False)  # vLLM's tiering manager
         for _ in range(steps):
-            if not self.scheduler.has_requests() and not self.connector._jobs:
+            if not self.scheduler.has_requests() and not self.connector._jobs and not pending():
                 return
             self.step()
+            time.sleep(pause_s)
         raise AssertionError(f"requests left after {steps} steps: {list(self.scheduler.requests)}")
 
     def finished_trace_headers(self) -> dict[str, dict[str, str]]:

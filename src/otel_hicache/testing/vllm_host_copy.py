@@ -7,6 +7,10 @@ interface with real host copies between the registered KV tensors and a host buf
 ``TransferResult`` per job as vLLM's worker reports them. vLLM loads it the way it loads any out-of-tree spec
 (``spec_name`` / ``spec_module_path`` in ``kv_connector_extra_config``: see
 :func:`otel_hicache.testing.vllm.kv_transfer_config`).
+
+:class:`HostCopyTieringSpec` is vLLM's ``TieringOffloadingSpec`` (the CPU primary tier and the secondary tiers behind
+it, e.g. its filesystem tier) the same way: its worker copies into the worker's views of vLLM's shared offload region,
+the memory the secondary tiers read and write from the scheduler, as vLLM's ``CPUOffloadingWorker`` does.
 """
 
 from __future__ import annotations
@@ -26,16 +30,31 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 
 class HostCopyWorker(OffloadingWorker):
     """vLLM's ``OffloadingWorker`` interface over real host copies: one host buffer per registered KV tensor, each KV
-    cache group's blocks copied between its own tensors (``group_data_refs``) and their CPU chunks."""
+    cache group's blocks copied between its own tensors (``group_data_refs``) and their CPU chunks. ``region``: the host
+    buffers are this worker's views of vLLM's shared offload region (one chunk per block) instead of its own."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int) -> None:
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        num_chunks: int,
+        region: SharedOffloadRegion | None = None,
+    ) -> None:
         self._device = [t.tensor for t in kv_caches.tensors]
-        self._host = [torch.zeros((num_chunks * blocks_per_chunk, t.shape[1]), dtype=torch.int8) for t in self._device]
+        if region is None:
+            self._host = [
+                torch.zeros((num_chunks * blocks_per_chunk, t.shape[1]), dtype=torch.int8) for t in self._device
+            ]
+        else:  # rows of the region: a chunk's row holds every worker's pages of it, one view per tensor
+            assert blocks_per_chunk == 1, "the shared region's views are chunk rows: one block per chunk"
+            self._host = [region.create_next_worker_view(t.shape[1]) for t in self._device]
         self._groups = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
         #: each group's first data ref's tensor, whose row addresses vLLM 0.34's ``DevicePointers`` start with
         self._first_tensor = [kv_caches.tensors[refs[0].tensor_idx].tensor for refs in kv_caches.group_data_refs]
@@ -116,3 +135,36 @@ class HostCopySpec(CPUOffloadingSpec):
         if self._host_worker is None:
             self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
         return self._host_worker
+
+
+class HostCopyTieringSpec(TieringOffloadingSpec):
+    """vLLM's tiering spec (its manager, CPU primary tier in the shared offload region, secondary tiers, metrics) with
+    :class:`HostCopyWorker` over this worker's views of that region as its worker (one block per chunk)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._host_worker: HostCopyWorker | None = None
+        self._worker_region: SharedOffloadRegion | None = None
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._host_worker is None:
+            # the worker's side of the region, as vLLM's create_worker opens it
+            self._worker_region = SharedOffloadRegion(
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
+                rank=0 if self.replicated_layout else self.config.parallel.rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+            )
+            self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks, self._worker_region)
+        return self._host_worker
+
+    def release(self) -> None:
+        """The worker lets go of its side of the region (the scheduler's ``manager.shutdown()`` lets go of the other,
+        and of the region's file under /dev/shm)."""
+        if self._host_worker is not None:
+            self._host_worker._host.clear()  # its views of the region
+            self._host_worker = None
+        if self._worker_region is not None:
+            self._worker_region.cleanup()
+            self._worker_region = None

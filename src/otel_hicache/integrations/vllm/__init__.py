@@ -50,6 +50,15 @@ with ``DirectionalTransferStats.record`` and  (``CPU_to_GPU``) span and transfer
                                               ``hicache.eviction.reused`` (a load read it), ``hicache.eviction.age``
                                               (idle since it was written or read) and, unread,
                                               ``hicache.wasted.size{operation=backup}`` (:mod:`.cpu_tier`)
+``TieringOffloadingSpec.get_manager``         vLLM's tiering: its CPU primary tier is the CPU tier above; behind it,
+                                              tier ``storage`` (its ``fs`` tier, ``obj``, ``p2p``, out-of-tree ones)
+``TieringMetricsTracker.on_job_finished``     one ``hicache.storage_backup`` (cascade: CPU tier -> secondary tier) /
+                                              ``hicache.storage_prefetch`` (promotion) span and record per finished
+                                              job: its chunks' tokens, the bytes and seconds vLLM counts
+                                              (``vllm:kv_offload_tiering_write_bytes`` / ``_time``, ``read_...``); a
+                                              failed job ``hicache.transfer.failures{error.type=storage_write_failed
+                                              | storage_read_failed}`` as ``..._job_failures`` counts it; a promotion
+                                              that failed part way also its loaded chunks (:mod:`.storage_tier`)
 ``OffloadingConnectorScheduler.get_num_new_  per admitted request, once: ``hicache.prefill.tokens{mode}`` from vLLM's
 matched_tokens``, ``update_state_after_      ``PrefillStats`` and the connector's hits by source (``input``,
 alloc``                                       ``device_hit``, ``host_hit``, ``storage_hit``, ``other``); a request that

@@ -101,21 +101,27 @@ class CpuTierHooks(EngineHooks):
     def get_manager(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """``CPUOffloadingSpec.get_manager``: report the CPU tier of the manager it built, from now on."""
         manager = wrapped(*args, **kwargs)
+        self.adopt(instance, manager)
+        return manager
+
+    def adopt(self, spec: Any, manager: Any) -> None:
+        """Report ``manager`` (a ``CPUOffloadingManager``, or the CPU primary tier of vLLM's tiering) built by
+        ``spec`` as the CPU tier, from now on (once)."""
         with self._lock:
             new = manager not in self._tiers
-        evictions = self._patient(RecordKind.EVICTION, _count_evictions, instance) if new else None
+        evictions = self._patient(RecordKind.EVICTION, _count_evictions, spec) if new else None
         sink = self.telemetry  # built with the queue
         if evictions is not None and sink is not None:
-            config = instance.config
-            tokens_per_chunk = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
-            copies = 1 if instance.replicated_layout else config.parallel.world_size
+            config = spec.config
+            tokens_per_chunk = chunk_tokens(spec)
+            copies = 1 if spec.replicated_layout else config.parallel.world_size
             chunk_bytes = (
                 config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk * copies
                 if len(config.groups) == 1
                 else 0
             )
             with self._lock:
-                policy = str(getattr(instance, "eviction_policy", "") or "")
+                policy = str(getattr(spec, "eviction_policy", "") or "")
                 self._tiers[manager] = _CpuTier(evictions, manager._num_chunks, tokens_per_chunk, chunk_bytes, policy)
             stated = _stated_capacity(manager, config.groups[0].tokens_per_block)
             capacity = manager._num_chunks * tokens_per_chunk if stated is None else stated
@@ -126,7 +132,6 @@ class CpuTierHooks(EngineHooks):
                     _CapacityCheck(manager, tokens_per_chunk, stated, sink), self.sink.switch.mismatched
                 )
             await_export_process(self.sink)  # the engine core builds its CPU tier while it starts
-        return manager
 
     def policies(self) -> set[str]:
         """The eviction policies of the CPU tiers this process built and still holds."""
@@ -194,6 +199,12 @@ def await_export_process(sink: ProcessSink) -> None:
 
 def _ids(chunk_ids: Any) -> list[int]:
     return [int(c) for c in (chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else chunk_ids)]
+
+
+def chunk_tokens(spec: Any) -> int:
+    """Tokens of one CPU-tier chunk of ``spec`` (an offloading spec): the blocks per chunk of its first group."""
+    config = spec.config
+    return int(config.groups[0].tokens_per_block * config.cache.blocks_per_chunk)
 
 
 def _cpu_tier_usage(tokens_per_chunk: int, capacity: int, manager: Any) -> list[PoolUsage]:

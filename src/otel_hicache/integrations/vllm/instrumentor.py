@@ -17,6 +17,7 @@ from otel_hicache.integrations.vllm.capacity import CAPACITY_TARGET, CapacityHoo
 from otel_hicache.integrations.vllm.cpu_tier import CpuTierHooks
 from otel_hicache.integrations.vllm.hooks import OffloadHooks
 from otel_hicache.integrations.vllm.per_request import RequestHooks
+from otel_hicache.integrations.vllm.storage_tier import StorageTierHooks
 from otel_hicache.package import _instruments_vllm
 from otel_hicache.semconv import Engine
 
@@ -26,6 +27,8 @@ _COMMON = f"{_OFFLOADING}.common"
 _METRICS = f"{_OFFLOADING}.metrics"
 _CPU_SPEC = "vllm.v1.kv_offload.cpu.spec"
 _CPU_MANAGER = "vllm.v1.kv_offload.cpu.manager"
+_TIERING_SPEC = "vllm.v1.kv_offload.tiering.spec"
+_TIERING_METRICS = "vllm.v1.kv_offload.tiering.metrics"
 
 _CONNECTOR_WORKER = "OffloadingConnectorWorker"
 _SCHEDULER = "vllm.v1.core.sched.scheduler"
@@ -57,6 +60,13 @@ _TARGETS: Final[tuple[tuple[Target, str, str], ...]] = (
     (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_store"), "tier", "prepare_store"),
     (Target(_CPU_MANAGER, "CPUOffloadingManager", "_free_chunk", ("chunk",)), "tier", "free_chunk"),
     (Target(_CPU_MANAGER, "CPUOffloadingManager", "prepare_load"), "tier", "prepare_load"),
+    # the tiers behind the CPU tier (vLLM's tiering)
+    (Target(_TIERING_SPEC, "TieringOffloadingSpec", "get_manager"), "storage", "get_manager"),
+    (
+        Target(_TIERING_METRICS, "TieringMetricsTracker", "on_job_finished", ("job_metadata", "result")),
+        "storage",
+        "job_finished",
+    ),
     (Target(_SCHEDULER, "Scheduler", "add_request", ("request",)), "requests", "add_request"),
     (
         Target(_SCHEDULER, "Scheduler", "_update_waiting_for_remote_kv", ("request",)),
@@ -122,7 +132,12 @@ class VLLMOffloadInstrumentor(EngineInstrumentor):
 
     def _patches(self, sink: ProcessSink, options: Mapping[str, Any]) -> Iterable[tuple[Target, Wrapper]]:
         tier = CpuTierHooks(sink, vllm_ranks)
-        groups = {"offload": OffloadHooks(sink, vllm_ranks), "tier": tier, "requests": RequestHooks(sink, vllm_ranks)}
+        groups = {
+            "offload": OffloadHooks(sink, vllm_ranks),
+            "tier": tier,
+            "storage": StorageTierHooks(sink, vllm_ranks, tier),
+            "requests": RequestHooks(sink, vllm_ranks),
+        }
         patches = [(target, getattr(groups[group], hook)) for target, group, hook in _TARGETS]
         return [*patches, (CAPACITY_TARGET, CapacityHooks(sink, vllm_ranks, tier).admitted)]  # hicache.capacity.*
 
