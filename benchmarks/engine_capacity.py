@@ -231,7 +231,7 @@ def vllm() -> list[str]:
     rows = []
     telemetry = HiCacheTelemetry(meter_provider=MeterProvider())
     sink = ProcessSink(Engine.VLLM, telemetry=telemetry)
-    hooks = CapacityHooks(sink, vllm_ranks, CpuTierHooks(sink, vllm_ranks))
+    hooks = CapacityHooks(sink, vllm_ranks, CpuTierHooks(sink, vllm_ranks).policies)
     feed = telemetry.capacity_feed(block, (TierCapacity(Tier.DEVICE, 1 << 20), TierCapacity(Tier.HOST, 1 << 21)))
     hooks._started, hooks._feed = True, feed  # as after the first admission (which reads the KVCacheManager)
     admitted = request(list(range(1, PROMPT_TOKENS + 1)))

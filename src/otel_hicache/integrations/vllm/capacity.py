@@ -30,7 +30,6 @@ from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity
 from otel_hicache.integrations._base import ONCE, AdmissionHooks, ProcessSink, Ranks, Target
-from otel_hicache.integrations.vllm.cpu_tier import CpuTierHooks
 from otel_hicache.semconv import METRIC_CAPACITY_HIT_RATIO, Tier
 
 #: The CPU tier's eviction policy the model follows (vLLM's default).
@@ -45,12 +44,14 @@ CAPACITY_TARGET = Target(
 
 class CapacityHooks(AdmissionHooks):
     """The wrapper of vLLM's prefix-cache admission (``KVCacheManager.record_prefix_cache_stats(request,
-    num_hits)``) feeding the engine core's capacity estimator: the request's block hashes are handed over. ``cpu_tier``:
-    the CPU tier's hooks, which say how that tier evicts."""
+    num_hits)``) feeding the engine core's capacity estimator: the request's block hashes are handed over.
+    ``cpu_tier_policies()``: the eviction policies of the CPU tiers built (:meth:`.cpu_tier.CpuTierHooks.policies`)."""
 
-    def __init__(self, sink: ProcessSink, ranks: Callable[[Any], Ranks], cpu_tier: CpuTierHooks) -> None:
+    def __init__(
+        self, sink: ProcessSink, ranks: Callable[[Any], Ranks], cpu_tier_policies: Callable[[], set[str]]
+    ) -> None:
         super().__init__(sink, ranks)
-        self._cpu_tier = cpu_tier
+        self._cpu_tier_policies = cpu_tier_policies
 
     def _payload(self, args: tuple, kwargs: dict) -> tuple[Any, int] | None:
         request = args[0] if args else kwargs["request"]
@@ -65,7 +66,7 @@ class CapacityHooks(AdmissionHooks):
             return None
         block_tokens = int(groups[0].kv_cache_spec.block_size)
         tiers = [TierCapacity(Tier.DEVICE, (int(manager.block_pool.num_gpu_blocks) - 1) * block_tokens)]
-        unmodelled = sorted(self._cpu_tier.policies() - {MODELLED_POLICY})
+        unmodelled = sorted(self._cpu_tier_policies() - {MODELLED_POLICY})
         if unmodelled:
             message = "otel_hicache: vLLM's CPU tier evicts by %s; %s models %r only: no points for the host tier."
             args = (", ".join(repr(p) for p in unmodelled), METRIC_CAPACITY_HIT_RATIO, MODELLED_POLICY)

@@ -113,7 +113,7 @@ class CpuTierHooks(EngineHooks):
         sink = self.telemetry  # built with the queue
         if evictions is not None and sink is not None:
             config = spec.config
-            tokens_per_chunk = chunk_tokens(spec)
+            tokens_per_chunk = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
             copies = 1 if spec.replicated_layout else config.parallel.world_size
             chunk_bytes = (
                 config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk * copies
@@ -199,12 +199,6 @@ def await_export_process(sink: ProcessSink) -> None:
 
 def _ids(chunk_ids: Any) -> list[int]:
     return [int(c) for c in (chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else chunk_ids)]
-
-
-def chunk_tokens(spec: Any) -> int:
-    """Tokens of one CPU-tier chunk of ``spec`` (an offloading spec): the blocks per chunk of its first group."""
-    config = spec.config
-    return int(config.groups[0].tokens_per_block * config.cache.blocks_per_chunk)
 
 
 def _cpu_tier_usage(tokens_per_chunk: int, capacity: int, manager: Any) -> list[PoolUsage]:

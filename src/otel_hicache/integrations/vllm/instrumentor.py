@@ -135,11 +135,14 @@ class VLLMOffloadInstrumentor(EngineInstrumentor):
         groups = {
             "offload": OffloadHooks(sink, vllm_ranks),
             "tier": tier,
-            "storage": StorageTierHooks(sink, vllm_ranks, tier),
+            "storage": StorageTierHooks(sink, vllm_ranks, tier.adopt),
             "requests": RequestHooks(sink, vllm_ranks),
         }
         patches = [(target, getattr(groups[group], hook)) for target, group, hook in _TARGETS]
-        return [*patches, (CAPACITY_TARGET, CapacityHooks(sink, vllm_ranks, tier).admitted)]  # hicache.capacity.*
+        return [
+            *patches,
+            (CAPACITY_TARGET, CapacityHooks(sink, vllm_ranks, tier.policies).admitted),
+        ]  # hicache.capacity.*
 
 
 def vllm_ranks(spec: Any) -> Ranks:

@@ -26,19 +26,20 @@ from collections.abc import Callable
 from typing import Any
 
 from otel_hicache.integrations._base import EngineHooks, ProcessSink, Ranks
-from otel_hicache.integrations.vllm.cpu_tier import CpuTierHooks, chunk_tokens
 from otel_hicache.records import TransferFailure, TransferRecord
 from otel_hicache.semconv import DEFAULT_POOL, TimingSource, TransferOperation
 from otel_hicache.timing import ANCHOR, now_ns
 
 
 class StorageTierHooks(EngineHooks):
-    """The wrappers of vLLM's tiering spec and its metrics tracker. ``cpu_tier``: the CPU tier's hooks, which report
-    the tiering spec's CPU primary tier."""
+    """The wrappers of vLLM's tiering spec and its metrics tracker. ``adopt_cpu_tier(spec, manager)``: the CPU tier's
+    hooks taking the tiering spec's CPU primary tier (:meth:`.cpu_tier.CpuTierHooks.adopt`)."""
 
-    def __init__(self, sink: ProcessSink, ranks: Callable[[Any], Ranks], cpu_tier: CpuTierHooks) -> None:
+    def __init__(
+        self, sink: ProcessSink, ranks: Callable[[Any], Ranks], adopt_cpu_tier: Callable[[Any, Any], None]
+    ) -> None:
         super().__init__(sink, ranks)
-        self._cpu_tier = cpu_tier
+        self._adopt_cpu_tier = adopt_cpu_tier
         # each tiering manager's metrics tracker -> tokens per chunk
         self._trackers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
@@ -48,11 +49,12 @@ class StorageTierHooks(EngineHooks):
         manager = wrapped(*args, **kwargs)
         primary = getattr(manager, "primary_tier", None)
         if primary is not None:
-            self._cpu_tier.adopt(instance, primary)
+            self._adopt_cpu_tier(instance, primary)
         tracker = getattr(manager, "_metrics", None)
         if tracker is not None and self._sink(instance) is not None:
             with self._lock:
-                self._trackers[tracker] = chunk_tokens(instance)
+                config = instance.config  # a chunk: blocks of the first group, as the CPU tier counts them
+                self._trackers[tracker] = int(config.groups[0].tokens_per_block * config.cache.blocks_per_chunk)
         return manager
 
     def job_finished(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
