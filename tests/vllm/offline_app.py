@@ -2,9 +2,10 @@
 running a scripted workload; our plugin is loaded by vLLM itself in each of its processes (this one, the engine core,
 the worker).
 
-``python -m tests.vllm.offline_app MODEL --cpu-chunks N --requests 1,2,3,1``: one request at a time, each the prompt
-of that seed (:func:`otel_hicache.testing.vllm.prompt`), 4 greedy tokens; then two one-token requests, so the engine
-steps that submit and finish the last prompt's stores (vLLM defers a store to the next step). Prints one JSON line: this
+``python -m tests.vllm.offline_app MODEL --cpu-chunks N --requests 1,2,3,1 [--storage-dir DIR]``: one request at a
+time, each the prompt of that seed (:func:`otel_hicache.testing.vllm.prompt`), 4 greedy tokens; then two one-token
+requests, so the engine steps that submit and finish the last prompt's stores (vLLM defers a store to the next step).
+``--storage-dir``: vLLM's filesystem tier there, behind the CPU tier (vLLM's tiering). Prints one JSON line: this
 process's pid, each request's ``num_cached_tokens``, text and ``time.monotonic()`` span (the host's clock, which
 every process shares), and vLLM's own metrics as its stat loggers hold them
 (``prometheus_client.REGISTRY``, ``name{labels}`` -> value; ``LLM.get_metrics()`` would truncate counters to int).
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--cpu-chunks", type=int, required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--requests", required=True, help="comma-separated prompt seeds, run one after another")
+    parser.add_argument("--storage-dir", help="vLLM's filesystem tier there, behind the CPU tier")
     args = parser.parse_args()
 
     import prometheus_client
@@ -43,7 +45,8 @@ def main() -> None:
     from otel_hicache.testing.vllm import engine_arguments, prompt
     from tests.vllm.engine import parse_prometheus
 
-    llm = LLM(**engine_arguments(args.model, args.cpu_chunks, args.tp), disable_log_stats=False)
+    arguments = engine_arguments(args.model, args.cpu_chunks, args.tp, storage_dir=args.storage_dir)
+    llm = LLM(**arguments, disable_log_stats=False)
     greedy = SamplingParams(max_tokens=4, temperature=0)
     requests = []
     for seed in (int(s) for s in args.requests.split(",")):

@@ -6,7 +6,8 @@
   WordLevel tokenizer over the words ``w0`` ... ``w996`` saved as ``tokenizer.json``;
 * :func:`kv_transfer_config`: vLLM's ``OffloadingConnector`` with the out-of-tree host-copy spec of
   :mod:`otel_hicache.testing.vllm_host_copy` (vLLM's CPU spec and manager; a worker doing real torch copies between
-  the engine's KV tensors and a host buffer), loaded by vLLM's own ``spec_name`` / ``spec_module_path``;
+  the engine's KV tensors and a host buffer), loaded by vLLM's own ``spec_name`` / ``spec_module_path``; or its
+  tiering spec, with vLLM's filesystem tier in a folder behind the CPU tier;
 * :func:`engine_arguments`: vLLM's engine arguments for that model and CPU tier;
 * :func:`environment`: what vLLM's CPU build needs here (a small KV space, no thread pinning, offline, no usage
   reports) and ``PYTHONPATH`` so every vLLM process imports the spec.
@@ -85,9 +86,15 @@ def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> str:
     return " ".join(f"w{(seed * 37 + i * 7) % WORDS}" for i in range(tokens))
 
 
-def kv_transfer_config(cpu_chunks: int) -> dict[str, Any]:
-    """vLLM's OffloadingConnector with a CPU tier of ``cpu_chunks`` chunks (one block each)."""
-    extra = {"spec_name": "HostCopySpec", "spec_module_path": SPEC_MODULE, "cpu_bytes_to_use": cpu_chunks * BLOCK_BYTES}
+def kv_transfer_config(cpu_chunks: int, storage_dir: str | None = None) -> dict[str, Any]:
+    """vLLM's OffloadingConnector with a CPU tier of ``cpu_chunks`` chunks (one block each); with ``storage_dir``,
+    vLLM's tiering with its filesystem tier there behind the CPU tier (``HostCopyTieringSpec``)."""
+    extra: dict[str, Any] = {"spec_module_path": SPEC_MODULE, "cpu_bytes_to_use": cpu_chunks * BLOCK_BYTES}
+    if storage_dir is None:
+        extra["spec_name"] = "HostCopySpec"
+    else:
+        extra["spec_name"] = "HostCopyTieringSpec"
+        extra["secondary_tiers"] = [{"type": "fs", "root_dir": storage_dir, "n_read_threads": 2, "n_write_threads": 2}]
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
@@ -98,9 +105,10 @@ def engine_arguments(
     *,
     gpu_blocks: int = GPU_BLOCKS,
     max_model_len: int = MAX_MODEL_LEN,
+    storage_dir: str | None = None,
 ) -> dict[str, Any]:
     """vLLM's engine arguments (``LLM(**...)``; the server's flags are the same names) for the tiny model, its KV
-    cache ``gpu_blocks`` blocks of :data:`BLOCK_TOKENS`."""
+    cache ``gpu_blocks`` blocks of :data:`BLOCK_TOKENS` (``storage_dir``: see :func:`kv_transfer_config`)."""
     return {
         "model": str(model),
         "enforce_eager": True,
@@ -110,7 +118,7 @@ def engine_arguments(
         "max_num_seqs": 4,
         "seed": 0,
         "tensor_parallel_size": tp,
-        "kv_transfer_config": kv_transfer_config(cpu_chunks),
+        "kv_transfer_config": kv_transfer_config(cpu_chunks, storage_dir),
     }
 
 
