@@ -14,8 +14,8 @@ them. Records are built and counted on the telemetry's host thread (``record_tra
 
 The tiering spec's CPU primary tier is reported as the CPU tier (:mod:`.cpu_tier`: occupancy, capacity, evictions). A
 request's tokens served from a secondary tier are its ``storage_hit`` (:mod:`.per_request`, from vLLM's own hit
-sources). vLLM states no size for its filesystem tier (it grows with the disk): tier ``storage`` has no
-``hicache.pool.*`` and no capacity curve there.
+sources). vLLM states no size for any of its secondary tiers (``fs`` grows with the disk; ``obj``, ``p2p``
+neither): tier ``storage`` has no ``hicache.pool.*`` and no capacity curve.
 """
 
 from __future__ import annotations
