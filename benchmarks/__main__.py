@@ -19,6 +19,7 @@ BENCHMARKS = {
     "transfer": "the reference controller's merged transfers against raw torch copies of the same bytes",
     "soak": "minutes of paced then burst transfers over OTLP: exact counters, span drops, flat memory",
     "sglang": "the scheduler thread's and process's cost per transfer on real SGLang classes (.venv-sglang)",
+    "instructions": "instructions per transfer on real SGLang classes, counted by callgrind (valgrind, .venv-sglang)",
     "importtax": "what `opentelemetry-instrument python -c pass` costs with our instrumentor on and off",
     "sigkill": "what a SIGKILL of the host loses: acks handed over but not yet exported",
     "capacity": "the capacity estimator's cost per admitted 4,096-token request",
@@ -87,6 +88,10 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[], Table | None]:
         from benchmarks import capacity
 
         return lambda: capacity.run(capacity.Params.smoke() if args.smoke else capacity.Params(), command)
+    if name == "instructions":
+        from benchmarks import instructions
+
+        return lambda: instructions.run(args.smoke, command)
     if name == "importtax":
         from benchmarks import importtax
 

@@ -60,7 +60,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks._common import Table, host_thread_id, median, thread_cpu_ns
 
@@ -263,20 +263,122 @@ def _cpu_ns(pid: int | None) -> int:
     return sum(thread_cpu_ns(pid, int(tid)) for tid in tids)
 
 
+class StepTimes(NamedTuple):
+    """One scheduler step's parts (thread CPU, ns, as ``clock`` reads them) and what it did."""
+
+    submit: int
+    check: int
+    empty: int
+    admit: int
+    consumed: int  # acks writing_check consumed
+    admitted: bool
+
+
+class SchedulerStep:
+    """One scheduler step per ack, as serving runs it on SGLang's real classes: a new sequence of ``seq_tokens``
+    inserted, its backup submitted (``flush_pending_backups``) and consumed by ``writing_check`` (queue length 1),
+    a check where nothing completed (the step after), and the admission of a request hitting what it backed up (a
+    real ``PrefillAdder.add_one_req`` and ``PrefillStats.from_adder``; ``admitted(stats, adder)``: a path's own
+    prefill metrics). Needs sglang (imported at construction)."""
+
+    def __init__(self, seq_tokens: int) -> None:
+        from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+        from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        from otel_hicache.testing.sglang import make_request
+
+        self._classes = (AddReqResult, PrefillAdder, PrefillStats, InsertParams, RadixKey, make_request)
+        self.seq_tokens = seq_tokens
+        self.seq = 0
+
+    def __call__(
+        self, cache: Any, allocator: Any, pattern: str, admitted: Any = None, clock: Any = time.thread_time_ns
+    ) -> StepTimes:
+        add_req_result, prefill_adder, prefill_stats, insert_params, radix_key, make_request = self._classes
+        cc, check = cache.cache_controller, cache.writing_check
+        self.seq += 1
+        tokens = list(range(self.seq * 1_000_000, self.seq * 1_000_000 + self.seq_tokens))
+        value = allocator.alloc(len(tokens))
+        cache.insert(insert_params(key=radix_key(array("q", tokens)), value=value[: len(tokens)]))
+        c0 = clock()
+        cache.flush_pending_backups()
+        c1 = clock()
+        ready = len(cc.ack_write_queue)
+        if pattern is EXPLICIT:
+            c2 = clock()
+            check(finish_count=ready)
+            c3 = clock()
+            check(finish_count=0)
+            c4 = clock()
+        else:
+            c2 = clock()
+            check()
+            c3 = clock()
+            check()
+            c4 = clock()
+        consumed = ready - len(cc.ack_write_queue)
+        req = make_request([*tokens, *range(7, 23)], f"r{self.seq}")
+        req.init_next_round_input(cache)
+        adder = prefill_adder(cache.page_size, cache, allocator, None, 1.0, 4096, None)
+        c5 = clock()
+        added = adder.add_one_req(req, False, None)
+        prefill = prefill_stats.from_adder(adder, running_reqs=[])  # the batch stats, metrics on or off
+        if admitted is not None:
+            admitted(prefill, adder)
+        c6 = clock()
+        return StepTimes(c1 - c0, c3 - c2, c4 - c3, c6 - c5, consumed, added is add_req_result.CONTINUE)
+
+
+class PrometheusPath:
+    """SGLang's own metrics (``--enable-metrics``) on a cache: its ``RadixCacheMetricsCollector``, and per admitted
+    batch what the ``SchedulerMetricsCollector`` adds for these series. Needs sglang."""
+
+    def __init__(self) -> None:
+        from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector
+
+        self.collector = RadixCacheMetricsCollector(
+            labels={"cache_type": "UnifiedRadixCache", "tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
+        )
+        self._scheduler: Any = None  # built once a cache published SGLang's runtime config
+
+    def setup(self, cache: Any) -> None:
+        cache.metrics_collector = self.collector
+
+    def admitted(self, stats: Any, adder: Any) -> None:  # what --enable-metrics adds for these series, per batch
+        if self._scheduler is None:
+            from sglang.srt.observability.metrics_collector import SchedulerMetricsCollector
+            from sglang.srt.server_args import ServerArgs
+
+            self._scheduler = SchedulerMetricsCollector(
+                # string ranks, as the SGLang tests pass them: an int moe_ep_rank 0 asks for the MoE balancedness
+                # series, which need a published runtime config
+                labels={
+                    "model_name": "dummy",
+                    "engine_type": "unified",
+                    "tp_rank": "0",
+                    "pp_rank": "0",
+                    "moe_ep_rank": "0",
+                },
+                server_args=ServerArgs(model_path="dummy"),
+            )
+        self._scheduler.increment_effective_prefill_tokens(
+            input_tokens=stats.log_input_tokens - stats.reprocessed_log_input_tokens,
+            device_hit_tokens=stats.log_device_hit_tokens,
+            host_hit_tokens=stats.log_host_hit_tokens,
+            storage_hit_tokens=stats.log_storage_hit_tokens,
+        )
+
+
 def _run(params: Params, command: str, time_builds: bool) -> Table:
     import logging
     from urllib.parse import urlparse
 
-    from otel_hicache.testing.sglang import build_hicache, install_cpu_shims, make_request
+    from otel_hicache.testing.sglang import build_hicache, install_cpu_shims
 
     logging.getLogger("sglang").setLevel(logging.ERROR)
     install_cpu_shims()
-    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
-    from sglang.srt.managers.scheduler_components.metrics_reporter import PrefillStats
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector, SchedulerMetricsCollector
-    from sglang.srt.server_args import ServerArgs
 
     from benchmarks._collector import CollectorProcess
     from benchmarks._common import flush_cpu_ns
@@ -294,41 +396,13 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
     wake_floor = wake_cpu_ns()  # before the receiver, the export process or any block is busy
     timer = RoundTimer(otlp.telemetry, builds=time_builds)
     placement = _Placement(collector.pid)
-    prom = RadixCacheMetricsCollector(
-        labels={"cache_type": "UnifiedRadixCache", "tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
-    )
-    prom_scheduler: list[Any] = []  # built once a cache published SGLang's runtime config
+    prometheus = PrometheusPath()
+    prom = prometheus.collector
     naive = NaiveOtelReporter(otlp.tracer_provider, otlp.meter_provider)
     instrumentor = SGLangHiCacheInstrumentor()
     control = ScheduleControl()
     page_tokens = 16
     floor = RawRecords(page_tokens)
-
-    def set_prom(cache: Any) -> None:
-        cache.metrics_collector = prom
-
-    def prom_admitted(stats: Any, adder: Any) -> None:  # what --enable-metrics adds for these series, per batch
-        if not prom_scheduler:
-            prom_scheduler.append(
-                SchedulerMetricsCollector(
-                    # string ranks, as the SGLang tests pass them: an int moe_ep_rank 0 asks for the MoE
-                    # balancedness series, which need a published runtime config
-                    labels={
-                        "model_name": "dummy",
-                        "engine_type": "unified",
-                        "tp_rank": "0",
-                        "pp_rank": "0",
-                        "moe_ep_rank": "0",
-                    },
-                    server_args=ServerArgs(model_path="dummy"),
-                )
-            )
-        prom_scheduler[0].increment_effective_prefill_tokens(
-            input_tokens=stats.log_input_tokens - stats.reprocessed_log_input_tokens,
-            device_hit_tokens=stats.log_device_hit_tokens,
-            host_hit_tokens=stats.log_host_hit_tokens,
-            storage_hit_tokens=stats.log_storage_hit_tokens,
-        )
 
     def set_naive(cache: Any) -> None:
         cache._log_write_ack_metrics = naive.write_ack  # SGLang's reporting function, replaced on the instance
@@ -348,7 +422,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
 
     paths = [
         _Path("uninstrumented", lambda cache: None),
-        _Path(PROMETHEUS, set_prom, prom_admitted),
+        _Path(PROMETHEUS, prometheus.setup, prometheus.admitted),
         _Path("naive OTel SDK, OTLP", set_naive, None, otlp.force_flush),
         _Path(OURS, set_hicache, None, otlp.force_flush, instrumentor.uninstrument),
         _Path(CONTROL, lambda cache: control.start(), teardown=control.stop),
@@ -356,7 +430,7 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
         _Path(LOOKUPS, set_lookups, lookups_admitted, otlp.force_flush),
     ]
     kv_size = 2 * params.batches_per_block * params.batch * (params.seq_tokens + 16)
-    seq = [0]
+    step = SchedulerStep(params.seq_tokens)
 
     def block(path: _Path, where: str, pattern: str, record: bool) -> None:
         placement.apply(where)
@@ -365,8 +439,6 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
         cache, allocator, _ = build_hicache("write_through", kv_size=kv_size, page_size=page_tokens)
         path.setup(cache)
         stats = path.of(where, pattern)
-        cc = cache.cache_controller
-        clock, check = time.thread_time_ns, cache.writing_check
         e0, r0, p0 = _cpu_ns(placement.export_pid), _cpu_ns(placement.receiver_pid), time.process_time_ns()
         # the rounds of the path's thread so far: the control's, else our host thread's (timed by the RoundTimer)
         thread_rounds = (lambda: control.rounds) if path.name == CONTROL else (lambda: len(timer.rounds))
@@ -378,39 +450,11 @@ def _run(params: Params, command: str, time_builds: bool) -> Table:
                 # One scheduler step per ack: submit it, consume it (queue length 1, as in serving), a check where
                 # nothing completed (the step after), and the admission of a request that hits what it backed up.
                 for _ in range(params.batch):
-                    seq[0] += 1
-                    tokens = list(range(seq[0] * 1_000_000, seq[0] * 1_000_000 + params.seq_tokens))
-                    value = allocator.alloc(len(tokens))
-                    cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=value[: len(tokens)]))
-                    c0 = clock()
-                    cache.flush_pending_backups()
-                    c1 = clock()
-                    ready = len(cc.ack_write_queue)
-                    if pattern is EXPLICIT:
-                        c2 = clock()
-                        check(finish_count=ready)
-                        c3 = clock()
-                        check(finish_count=0)
-                        c4 = clock()
-                    else:
-                        c2 = clock()
-                        check()
-                        c3 = clock()
-                        check()
-                        c4 = clock()
-                    n += ready - len(cc.ack_write_queue)
-                    req = make_request([*tokens, *range(7, 23)], f"r{seq[0]}")
-                    req.init_next_round_input(cache)
-                    adder = PrefillAdder(cache.page_size, cache, allocator, None, 1.0, 4096, None)
-                    c5 = clock()
-                    added = adder.add_one_req(req, False, None)
-                    prefill = PrefillStats.from_adder(adder, running_reqs=[])  # the batch stats, metrics on or off
-                    if path.admitted is not None:
-                        path.admitted(prefill, adder)
-                    c6 = clock()
-                    stats.admitted += added is AddReqResult.CONTINUE
-                    submit, checked, empty = submit + c1 - c0, checked + c3 - c2, empty + c4 - c3
-                    admit += c6 - c5
+                    times = step(cache, allocator, pattern, path.admitted)
+                    n += times.consumed
+                    stats.admitted += times.admitted
+                    submit, checked, empty = submit + times.submit, checked + times.check, empty + times.empty
+                    admit += times.admit
                 stats.acks += n
                 acks += n
                 if record and n:

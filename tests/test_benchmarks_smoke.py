@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(
-    tmp_path: Path, *names: str, flags: tuple[str, ...] = ()
+    tmp_path: Path, *names: str, flags: tuple[str, ...] = (), timeout_s: float = 240
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path / "results.json"
     md = tmp_path / "results.md"
@@ -29,7 +30,7 @@ def _run(
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout_s,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     tables = {t["key"]: t for t in json.loads(out.read_text())["tables"]}
@@ -191,6 +192,22 @@ def test_real_sglang_path_smoke_reports_the_whole_scheduler_thread_cost_per_plac
     # each kind timed; which kinds lead a round is the host thread's timing (a flush builds the rest back to back)
     assert all(timed["first"] + timed["later"] > 0 for timed in data["builds"].values())
     assert sum(timed["first"] for timed in data["builds"].values()) > 0
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(shutil.which("callgrind_control") is None, reason="valgrind is not installed")
+def test_instructions_per_transfer_are_counted_on_every_path_and_the_goals_judged(tmp_path: Path) -> None:
+    pytest.importorskip("sglang")
+    _, tables = _run(tmp_path, "instructions", timeout_s=900)
+    table = tables["instructions"]
+    assert all(table["checks"].values()), table["checks"]
+    data = table["data"]
+    paths = {"uninstrumented", "prometheus_client (SGLang --enable-metrics)", "otel_hicache instrumentor, OTLP"}
+    assert set(data["per_transfer"]) == set(data["added"]) == paths
+    # every thread's count holds the scheduler thread's, and each instrumented path adds to the scheduler thread
+    assert all(0 < counted["thread"] <= counted["process"] for counted in data["per_transfer"].values())
+    assert all(data["added"][path]["thread"] > 0 for path in paths - {"uninstrumented"})
+    assert set(data["goals"]) == {"scheduler_thread", "process"}
 
 
 @pytest.mark.skipif(
