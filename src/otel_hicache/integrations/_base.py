@@ -26,10 +26,10 @@ lazy patching, the failure rule, :class:`Skips`).
   instrumented; one above it is instrumented untested, with one info line naming it (:func:`newer_than_tested`: the
   shape check below decides target by target, and the first mismatch the adapter's self-check against the engine's
   own counters finds in a process turns the adapter off there, with one warning: :class:`AdapterSwitch`); one below
-  it, or none, is refused
-  with one warning. It then registers one post-import hook per target module (:func:`wrapt.register_post_import_hook`):
-  it imports nothing of the engine (nor torch), each target is patched when the engine imports its module (at once if
-  it already has), and a target module this release does not have is warned about at ``instrument()``;
+  it, or none, is refused with one warning. It then registers one post-import hook per target module
+  (:func:`wrapt.register_post_import_hook`): it imports nothing of the engine (nor torch), each target is patched when
+  the engine imports its module (at once if it already has), and a target module this release does not have is
+  warned about at ``instrument()``;
 * **shape check**: a target that is missing, is not a plain function (a property, a C function, a class), or whose
   leading parameters are not the ones its wrapper reads (:attr:`Target.params`) is left unpatched, with one warning
   naming it; the rest is instrumented;
