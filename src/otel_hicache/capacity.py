@@ -169,6 +169,7 @@ class TierCapacity:
     #: For an exclusive tier that keeps copies: a store behind it keeps every page this tier was written (the
     #: reference cache's L3 file store) and a lookup that misses the faster tiers and this one but finds its next
     #: pages there prefetches them into this tier, where they take room (they are the store's hits, not this tier's).
+    #: Modelled for lookups given by ``put`` (the id ring does not describe it to the export process's model).
     store_behind: bool = False
 
     @property
