@@ -23,14 +23,15 @@ BENCHMARKS = {
     "importtax": "what `opentelemetry-instrument python -c pass` costs with our instrumentor on and off",
     "sigkill": "what a SIGKILL of the host loses: acks handed over but not yet exported",
     "capacity": "the capacity estimator's cost per admitted 4,096-token request",
+    "capacity_reruns": "the demo's capacity curve against re-running it at each size, with and without mamba and L3",
     "vllm": "the plugin on against off on a real vLLM engine on the CPU, against vLLM's own metrics (.venv-vllm)",
 }
 NAMES = tuple(BENCHMARKS)
 EPILOG = (
     "benchmarks:\n"
-    + "\n".join(f"  {name:<10} {line}" for name, line in BENCHMARKS.items())
+    + "\n".join(f"  {name:<15} {line}" for name, line in BENCHMARKS.items())
     + (
-        "\n  all        every one of them"
+        "\n  all             every one of them"
         "\n\nrun as its own module (in the engine's venv):"
         "\n  python -m benchmarks.engine_capacity {sglang,vllm}   the capacity estimator on each engine's own path"
     )
@@ -88,6 +89,11 @@ def _runner(name: str, args: argparse.Namespace) -> Callable[[], Table | None]:
         from benchmarks import capacity
 
         return lambda: capacity.run(capacity.Params.smoke() if args.smoke else capacity.Params(), command)
+    if name == "capacity_reruns":
+        from benchmarks import capacity_reruns
+
+        reruns = capacity_reruns.Params.smoke() if args.smoke else capacity_reruns.Params()
+        return lambda: capacity_reruns.run(reruns, command)
     if name == "instructions":
         from benchmarks import instructions
 

@@ -121,6 +121,16 @@ def test_capacity_measures_the_scheduler_and_host_thread_costs_of_a_lookup(tmp_p
     assert all(_sane(value) and value > 0 for value in data.values()), data
 
 
+def test_capacity_reruns_sets_each_prediction_of_the_demo_beside_a_re_run_at_that_size(tmp_path: Path) -> None:
+    _, tables = _run(tmp_path, "capacity_reruns")
+    table = tables["capacity_reruns"]
+    assert [row[:3] for row in table["rows"]] == [[7, "write_through", "demo"], [7, "write_back", "demo"]]
+    sizes = {"device/0.5", "device/1", "device/2", "host/0.5", "host/1", "host/2", "host/4"}
+    for errors in table["data"]["errors"].values():
+        assert set(errors) == sizes and all(abs(e) < 1 for e in errors.values()), errors
+    assert table["checks"] == {}  # a smoke run is too short to be warm: held to no bound
+
+
 def test_cli_rejects_an_unknown_benchmark() -> None:
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "nosuch"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr

@@ -25,6 +25,9 @@ The contract, for a producer (an engine adapter, the reference cache):
   (``max_queue`` of the telemetry) sheds the oldest lookups past its bound and counts them
   (``otel_hicache.records.rejected{record.kind=capacity, problem=queue_full}``); ``keys`` that raises is counted as
   ``build_failed``. Never raises, never waits.
+* **Free room, optionally** (a radix tree, which evicts whole nodes): ``feed.report_free(tier, free_tokens)`` beside
+  a lookup's ``put``, once that tier has started evicting. Such a tier frees more than it needs and holds its
+  capacity less the mean of these; the curve takes that mean off its sizes (below). The reference cache reports it.
 * **Or, given as token ids** (SGLang's prompts): ``feed.put_ids(ids, prompt_tokens, seed)``, keyed by
   :func:`page_keys` with ``seed`` (a namespace). Exporting over OTLP the ids are copied into the id ring for the export
   process, which keys them at once and runs the model there (``docs/architecture.md``, "Token ids": the only place ids
@@ -61,13 +64,21 @@ one very popular page would otherwise overstate every hit ratio).
 
 Each tier is modelled by its policy over that one stream, at every factor ``x`` of its capacity ``C`` today, the
 faster tiers' effective size today ``E`` unchanged: the device is an LRU of ``x * C`` (the radix tree evicts its
-least recently used leaves); an inclusive tier an LRU of ``max(x * C, E)`` (it holds what the faster ones hold). An
+least recently used leaves); an inclusive tier an LRU of ``max(x * C, E)`` (it holds what the faster ones hold). A
+tier that reports free room ``F`` (pages, the mean of :meth:`CapacityFeed.report_free`) holds ``C - F`` today and is
+read at ``x * C - min(x, 1) * F``: what a whole-node eviction frees beyond its need is the size of the nodes, not of
+the tier, so a bigger tier leaves the same room free and a smaller one a share of it (an empirical rule, checked by
+the re-runs below; ``E`` counts the faster tiers' free room too). Left out, the reference cache's device is
+predicted 2.5 to 4 points above a re-run at 1x and 0.5x (``docs/capacity.md``). An
 exclusive tier is written when the faster ones evict. One that reclaims its copy of a page they load back
 (``reclaims_copies=True``, SGLang's ``write_back`` host) holds, with them, ``E + x * C`` distinct pages, the least
 recently used leaving first: an LRU of ``E + x * C``, read from the same histogram. One that keeps that copy until the
 page leaves the faster tiers again (the reference cache's ``write_back`` host) holds less than ``E + x * C`` distinct
 pages, by an amount the stack cannot tell: it is a miniature simulation of that policy (Waldspurger et al., ATC 2017)
 over the pages of a smaller, nested fixed-size sample (:data:`MAX_SIMULATED_KEYS`), whole radix nodes moving together.
+With a store behind it that keeps every page it was written (``store_behind``, the reference cache's L3 file store),
+the simulation prefetches a lookup's next pages the store has into it before they go to the faster tiers: those are
+the store's hits, and they take this tier's room (left out, 5 points too high at 1x under the demo's L3).
 Checked by re-running the engine at each size (``tests/cache/test_capacity.py`` for the reference cache,
 ``tests/sglang/test_capacity.py`` for SGLang: every prediction within 3 points, 1x within 2); the sampling error
 against an exact LRU and the memory bound by ``tests/core/test_capacity.py``.
@@ -155,6 +166,11 @@ class TierCapacity:
     inclusive: bool = True
     pool: str = sc.DEFAULT_POOL
     reclaims_copies: bool = False
+    #: For an exclusive tier that keeps copies: a store behind it keeps every page this tier was written (the
+    #: reference cache's L3 file store) and a lookup that misses the faster tiers and this one but finds its next
+    #: pages there prefetches them into this tier, where they take room (they are the store's hits, not this tier's).
+    #: Modelled for lookups given by ``put`` (the id ring does not describe it to the export process's model).
+    store_behind: bool = False
 
     @property
     def simulated(self) -> bool:
@@ -183,6 +199,10 @@ def check_tiers(tiers: Iterable[TierCapacity]) -> tuple[TierCapacity, ...]:
             raise ValueError(f"capacity tiers: {row.tier.value}: tokens must be an int >= 0 or None")
         if row.inclusive and row.reclaims_copies:
             raise ValueError(f"capacity tiers: {row.tier.value}: reclaims_copies is for an exclusive tier")
+        if row.store_behind and not row.simulated:
+            raise ValueError(
+                f"capacity tiers: {row.tier.value}: store_behind is for an exclusive tier that keeps copies"
+            )
         ranks.append(order.index(Tier(row.tier)))
     if ranks != sorted(set(ranks)):
         raise ValueError("capacity tiers: each tier once, fastest first (device, host, storage)")
@@ -214,7 +234,7 @@ class CapacityModel:
         self._below_bin: array[float] | None = None  # per bin, the weight of the bins below it (None: to be summed)
         self.cold = 0.0  # sample weight of first uses
         self.sampled = 0.0  # sample weight of all sampled uses
-        self._sims: dict[tuple[int, int], _WriteBack] = {}  # exclusive tiers: (faster pages, pages) -> sim
+        self._sims: dict[tuple[int, int, bool], _WriteBack] = {}  # (faster pages, pages, store behind) -> sim
         self.prompt_tokens = 0  # exact: every token of every lookup
         self.paged_tokens = 0  # exact: the tokens of the full pages looked up
 
@@ -344,32 +364,43 @@ class CapacityModel:
             self._below_bin = array("d", itertools.accumulate(self._hist, initial=0.0))
         return self._below_bin[full] + partial
 
-    def curve(self, tiers: Sequence[TierCapacity], limits: Mapping[tuple[str, str], int] = {}) -> dict[str, TierCurve]:
+    def curve(
+        self,
+        tiers: Sequence[TierCapacity],
+        limits: Mapping[tuple[str, str], int] = {},
+        free: Mapping[str, float] = {},
+    ) -> dict[str, TierCurve]:
         """The predicted ratio of each tier whose capacity is known (``tokens``, else ``limits[(tier, pool)]``) at
-        every factor, the faster tiers at their size today."""
+        every factor, the faster tiers at their size today. ``free``: by tier, the pages it leaves free on average
+        once it evicts (:meth:`CapacityFeed.report_free`), taken off each of its sizes read from the LRU stack."""
         out: dict[str, TierCurve] = {}
         ceiling = self.hit_ratio(math.inf)
+        held = 0.0  # what the faster tiers hold today, in pages: their capacity less the room they leave free
         for row, tokens, faster in _sizes(tiers, limits, self.page_tokens):
             pages = tokens / self.page_tokens
+            unused = free.get(Tier(row.tier).value, 0.0)
             ratios = {}
             for name, factor in sc.CAPACITY_FACTOR_VALUES.items():
                 if math.isinf(factor):
                     ratios[name] = ceiling
                     continue
                 size = math.floor(factor * pages)
-                sim = self._sims.get((faster, size)) if row.simulated else None
+                sim = self._sims.get((faster, size, row.store_behind)) if row.simulated else None
                 if sim is not None:  # its own sample: never above the ceiling of the larger one
                     ratios[name] = min(self._share(sim.hits, sim.sampled), ceiling)
                 else:  # inclusive, one exclusive LRU, or a simulation not started yet (as if it held no copy)
-                    ratios[name] = self.hit_ratio(max(size, faster) if row.inclusive else faster + size)
+                    own = max(size - unused * min(factor, 1.0), 0.0)
+                    ratios[name] = self.hit_ratio(max(own, held) if row.inclusive else held + own)
             out[Tier(row.tier).value] = TierCurve(tokens, ratios)
+            own = max(tokens // self.page_tokens - unused, 0.0)
+            held = max(own, held) if row.inclusive else held + own
         return out
 
     def simulate(self, tiers: Sequence[TierCapacity], limits: Mapping[tuple[str, str], int] = {}) -> None:
         """Keep a miniature simulation for every size of every exclusive tier that keeps copies the curve reports (new
         ones start empty; those no longer needed go)."""
         wanted = {
-            (faster, math.floor(factor * tokens / self.page_tokens))
+            (faster, math.floor(factor * tokens / self.page_tokens), row.store_behind)
             for row, tokens, faster in _sizes(tiers, limits, self.page_tokens)
             if row.simulated
             for factor in sc.CAPACITY_FACTOR_VALUES.values()
@@ -439,12 +470,16 @@ class _WriteBack:
     faster tiers hold cannot be evicted and take room, so it holds fewer than ``faster + pages`` distinct pages.
 
     Like a radix tree it moves whole nodes: the pages one request inserted together, split where a later lookup
-    stops inside them. ``hits``: sample weight of pages served by it or a faster tier (an LRU of ``faster`` pages)."""
+    stops inside them. ``hits``: sample weight of pages served by it or a faster tier (an LRU of ``faster`` pages).
+    ``store``: with a store behind it (:attr:`TierCapacity.store_behind`), the pages ever written here, which the
+    store keeps: a lookup's pages past what the tiers hold that the store has are prefetched here first, taking room.
+    """
 
-    __slots__ = ("_faster", "_nodes", "_pages", "_serial", "hits", "lower", "node", "sampled", "upper")
+    __slots__ = ("_faster", "_nodes", "_pages", "_serial", "hits", "lower", "node", "sampled", "store", "upper")
 
-    def __init__(self, faster: int, pages: int) -> None:
+    def __init__(self, faster: int, pages: int, store: bool = False) -> None:
         self._faster, self._pages = faster, pages
+        self.store: set[int] | None = set() if store else None
         self.upper: collections.OrderedDict[int, None] = collections.OrderedDict()  # the faster tiers, LRU first
         self.lower: collections.OrderedDict[int, None] = collections.OrderedDict()  # this tier, LRU first
         self.node: dict[int, int] = {}  # page (in either) -> its node
@@ -456,8 +491,11 @@ class _WriteBack:
     def access(self, sampled: list[int], rate: float) -> None:
         upper, lower, node = self.upper, self.lower, self.node
         weight = 1 / rate
-        self.hits += weight * sum(1 for h in sampled if h in node)  # the lookup, before any insert
+        held = sum(1 for h in sampled if h in node)  # the lookup, before any insert: whole prefixes are held
+        self.hits += weight * held
         self.sampled += weight * len(sampled)
+        stored = self.store
+        fetched = list(itertools.takewhile(stored.__contains__, sampled[held:])) if stored else []
         renamed: dict[int | None, int] = {}  # a lookup that ends inside a node splits it: its part gets a new one
         for h in sampled:
             old = node.get(h)
@@ -471,12 +509,18 @@ class _WriteBack:
         for old in renamed:
             if old is not None and not self._nodes[old]:
                 del self._nodes[old]
+        upper_size, lower_size = round(self._faster * rate), round(self._pages * rate)
+        if fetched:  # prefetched from the store into this tier (the lookup's pages cannot go to make room)
+            for h in fetched:
+                lower[h] = None
+            if not self._room(lower_size, set(sampled)):  # no room: not prefetched, computed instead
+                for h in fetched:
+                    del lower[h]
         for h in reversed(sampled):
             if h in lower:
                 lower.move_to_end(h)  # loaded back: its copy stays
             upper[h] = None
             upper.move_to_end(h)
-        upper_size, lower_size = round(self._faster * rate), round(self._pages * rate)
         while len(upper) > upper_size:
             self._demote(node[next(iter(upper))], lower_size)
 
@@ -490,16 +534,25 @@ class _WriteBack:
         written = {h for h in pages if h not in lower}
         for h in written:
             lower[h] = None
-        while len(lower) > lower_size:
-            victim = next((v for v in lower if v not in upper and v not in written), None)
-            if victim is None:  # every copy is held above too, or was just written: the write-back is dropped
-                for h in written:
-                    del lower[h]
-                    self._leave(h)
-                return
-            for h in [h for h in self._nodes[self.node[victim]] if h in lower and h not in upper and h not in written]:
+        if not self._room(lower_size, written):  # every copy is held above too, or was just written: dropped
+            for h in written:
                 del lower[h]
                 self._leave(h)
+        elif self.store is not None:
+            self.store |= written
+
+    def _room(self, lower_size: int, kept: set[int]) -> bool:
+        """Evict whole nodes the faster tiers do not hold, none of ``kept``, until this tier holds ``lower_size``
+        pages; False when nothing more can go."""
+        upper, lower = self.upper, self.lower
+        while len(lower) > lower_size:
+            victim = next((v for v in lower if v not in upper and v not in kept), None)
+            if victim is None:
+                return False
+            for h in [h for h in self._nodes[self.node[victim]] if h in lower and h not in upper and h not in kept]:
+                del lower[h]
+                self._leave(h)
+        return True
 
     def _leave(self, h: int) -> None:
         """``h`` is in neither tier any more."""
@@ -513,6 +566,8 @@ class _WriteBack:
         """``h`` left the sample."""
         self.upper.pop(h, None)
         self.lower.pop(h, None)
+        if self.store is not None:
+            self.store.discard(h)
         if h in self.node:
             self._leave(h)
 
@@ -554,6 +609,8 @@ class CapacityFeed:
         self._pace = pace
         self._lock = threading.Lock()  # the host thread feeds the model; curve() reads it from any thread
         self._limits: Mapping[tuple[str, str], int] = {}
+        # By tier: [free tokens summed, lookups] of report_free (written on the engine's thread, a fixed set of keys)
+        self._free: dict[str, list[int]] = {t.value: [0, 0] for t in Tier}
         self._model.simulate(self._tiers)
         self._queue = queue(self.build)  # the telemetry's bounded queue, built with build() on its host thread
         self.put = self._queue.put
@@ -564,8 +621,29 @@ class CapacityFeed:
         checked = check_tiers(tiers)
         with self._lock:
             self._tiers = checked
+            self._forget_free()
             self._model.simulate(checked, self._limits)
             self.generation += 1
+
+    def report_free(self, tier: Tier, tokens: int) -> None:
+        """The free room of ``tier``, in tokens, at a lookup once that tier has started evicting (on the engine's
+        thread, beside the lookup's ``put``; about 0.2 us). A radix tree evicts whole nodes and frees more than it
+        needs: it holds its capacity less the mean of these on average, and the curve takes that mean off every size
+        of the tier it reads from the LRU stack (an exclusive tier that keeps copies is simulated, whole nodes
+        included, and takes none off). Only lookups given by ``put`` are modelled with it (the export process's
+        model, fed by :meth:`put_ids`, has none). Never raises."""
+        room = self._free.get(tier)
+        if room is not None and type(tokens) is int:
+            room[0] += tokens
+            room[1] += 1
+
+    def _forget_free(self) -> None:
+        for room in self._free.values():
+            room[:] = [0, 0]
+
+    def _free_pages(self) -> dict[str, float]:
+        page = self._model.page_tokens
+        return {tier: total / count / page for tier, (total, count) in list(self._free.items()) if count}
 
     @property
     def page_tokens(self) -> int:
@@ -592,7 +670,7 @@ class CapacityFeed:
             if limits is not None and limits != self._limits:  # sizes from a new reading: simulated from now on
                 self._limits = dict(limits)
                 self._model.simulate(self._tiers, self._limits)
-            return self._model.curve(self._tiers, self._limits)
+            return self._model.curve(self._tiers, self._limits, self._free_pages())
 
     def close(self) -> None:
         """The producer is done: the gauge keeps its last values; the queue goes once drained."""
@@ -602,6 +680,7 @@ class CapacityFeed:
         """Start from zero (a forked child, which counts as a process of its own)."""
         self._lock = threading.Lock()
         self._model = CapacityModel(self._model.page_tokens, self._model.max_keys)
+        self._forget_free()
         self._model.simulate(self._tiers, self._limits)
 
     def build(self, entry: tuple[Any, ...]) -> None:

@@ -163,6 +163,40 @@ class TestTheModel:
         assert three["storage"] == dict.fromkeys(sc.CAPACITY_FACTORS, reuse)
         assert model.curve([device])["device"].tokens == 6 * PAGE
 
+    def test_the_room_a_tier_leaves_free_is_taken_off_its_sizes_and_off_what_it_holds_for_the_tiers_behind(
+        self,
+    ) -> None:
+        model = model_of(cyclic(pages=12, rounds=4))  # hits in an LRU of >= 12 pages only
+        reuse = model.hit_ratio(float("inf"))
+        device = TierCapacity(Tier.DEVICE, 12 * PAGE)
+        full = model.curve([device])["device"].hit_ratio
+        assert full["1"] == reuse and full["0.5"] == 0
+        # one page free on average: it holds 11 of its 12 pages, 23 of 24 at 2x (no loop of 12 fits at 1x)
+        short = model.curve([device], free={"device": 1.0})["device"].hit_ratio
+        assert short == full | {"1": 0.0}
+        # what the device holds bounds an inclusive host's (max(x * 12, 11)) and adds to an exclusive one's (11 + x * 6)
+        inclusive = model.curve([device, TierCapacity(Tier.HOST, 12 * PAGE)], free={"device": 1.0})["host"]
+        assert inclusive.hit_ratio["1"] == reuse and inclusive.hit_ratio["0.5"] == 0
+        behind = [
+            TierCapacity(Tier.DEVICE, 6 * PAGE),
+            TierCapacity(Tier.HOST, 6 * PAGE, inclusive=False, reclaims_copies=True),
+        ]
+        assert model.curve(behind)["host"].hit_ratio["1"] == reuse
+        assert model.curve(behind, free={"device": 1.0})["host"].hit_ratio["1"] == 0
+
+    def test_pages_a_store_behind_a_write_back_host_prefetches_take_the_room_of_pages_it_would_serve(self) -> None:
+        # device 1 page, host 2 (keeps copies): a b c a b c. Without a store the second c is a host hit; with one,
+        # the b it prefetches (a store hit, not the host's) takes c's room, and c comes from the store too
+        served = {}
+        for store in (False, True):
+            tiers = [TierCapacity(Tier.DEVICE, PAGE), TierCapacity(Tier.HOST, 2 * PAGE, False, store_behind=store)]
+            model = CapacityModel(PAGE)
+            model.simulate(tiers)
+            for page in "abcabc":
+                model.access([page], PAGE)
+            served[store] = model.curve(tiers)["host"].hit_ratio["1"]
+        assert served == {False: pytest.approx(2 / 6), True: pytest.approx(1 / 6)}
+
     def test_a_tier_of_unknown_size_and_those_behind_it_are_left_out(self) -> None:
         model = model_of(cyclic(pages=4, rounds=2))
         tiers = [TierCapacity(Tier.DEVICE, 64), TierCapacity(Tier.HOST, None), TierCapacity(Tier.STORAGE, 1 << 20)]
@@ -177,6 +211,7 @@ class TestTheModel:
             [TierCapacity(Tier.DEVICE, -1)],
             [TierCapacity(Tier.DEVICE, 1.5)],  # type: ignore[arg-type]
             [TierCapacity(Tier.DEVICE, 8), TierCapacity(Tier.HOST, 8, reclaims_copies=True)],  # inclusive: no copies
+            [TierCapacity(Tier.DEVICE, 8), TierCapacity(Tier.HOST, 8, store_behind=True)],  # inclusive: not simulated
             [("device", 8)],
         ],
     )
@@ -210,6 +245,23 @@ class TestTheFeed:
         assert got[("host", "inf")] == pytest.approx(reused, abs=1e-9)
         assert feed.curve()["host"].hit_ratio["0.25"] == pytest.approx(got[("host", "0.25")], abs=1e-9)
         assert sdk.metrics()[sc.METRIC_CAPACITY_HIT_RATIO].unit == "1"
+
+    def test_the_free_room_reported_at_lookups_shrinks_the_tier_by_its_mean_until_the_tiers_change(
+        self, sdk: Sdk
+    ) -> None:
+        device = [TierCapacity(Tier.DEVICE, 4 * PAGE)]
+        feed = sdk.telemetry.capacity_feed(PAGE, device)
+        for keys, tokens in cyclic(pages=4, rounds=3):
+            feed.put((next(feed.seq), keys, tokens))
+        sdk.telemetry.snapshot()
+        assert feed.curve()["device"].hit_ratio["1"] == pytest.approx(2 / 3)
+        feed.report_free(Tier.DEVICE, 0)
+        feed.report_free(Tier.DEVICE, 2 * PAGE)  # a page free on average: 3 of its 4 pages hold the loop of 4
+        feed.report_free(Tier.DEVICE, "16")  # type: ignore[arg-type]  # not a count: ignored, never raised
+        feed.report_free("nvme", PAGE)  # type: ignore[arg-type]  # not a tier: ignored
+        assert feed.curve()["device"].hit_ratio["1"] == 0.0
+        feed.set_tiers(device)  # a resized pool: its old free room says nothing of the new size
+        assert feed.curve()["device"].hit_ratio["1"] == pytest.approx(2 / 3)
 
     def test_no_key_or_token_id_reaches_a_metric_or_span(self, sdk: Sdk) -> None:
         feed = sdk.telemetry.capacity_feed(PAGE, self.TIERS)

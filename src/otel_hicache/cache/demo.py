@@ -81,13 +81,14 @@ class DemoResult:
 def demo_config(
     device: str,
     write_policy: str,
-    storage_dir: str | os.PathLike[str],
+    storage_dir: str | os.PathLike[str] | None,
     seed: int,
     device_tokens: int = DEVICE_TOKENS,
     host_tokens: int = HOST_TOKENS,
+    pools: tuple[PoolSpec, ...] = DEMO_POOLS,
 ) -> CacheConfig:
     return CacheConfig(
-        pools=DEMO_POOLS,
+        pools=pools,
         page_size=PAGE_TOKENS,
         device_tokens=device_tokens,
         host_tokens=host_tokens,
@@ -112,9 +113,12 @@ def run_demo(
     progress: Callable[[int], None] | None = None,
     device_tokens: int = DEVICE_TOKENS,
     host_tokens: int = HOST_TOKENS,
+    pools: tuple[PoolSpec, ...] = DEMO_POOLS,
+    l3: bool = True,
 ) -> DemoResult:
     """Serve ``requests`` prompts (default 200), or as many as fit in ``seconds``, or whichever ends first, with each
-    tier sized in tokens (at least one page)."""
+    tier sized in tokens (at least one page). ``pools``: the cache's pool kinds (the anchor ``kv`` first); ``l3``
+    False: no L3 store (``storage_dir`` unused). ``python -m benchmarks capacity_reruns`` re-runs it at each size."""
     if requests is not None and requests < 0:
         raise ValueError(f"requests must be >= 0, not {requests}")
     if min(device_tokens, host_tokens) < PAGE_TOKENS:
@@ -127,11 +131,14 @@ def run_demo(
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     with contextlib.ExitStack() as cleanup:  # unwinds in reverse: the cache closes before its L3 store goes
-        if storage_dir is None:
+        if not l3:
+            storage_dir = None
+        elif storage_dir is None:
             storage_dir = cleanup.enter_context(
                 tempfile.TemporaryDirectory(prefix="otel-hicache-l3-", ignore_cleanup_errors=True)
             )
-        cache = HiCache(demo_config(device, write_policy, storage_dir, seed, device_tokens, host_tokens), telemetry)
+        config = demo_config(device, write_policy, storage_dir, seed, device_tokens, host_tokens, pools)
+        cache = HiCache(config, telemetry)
         cleanup.callback(cache.close)
         start = time.perf_counter()
         deadline = start + seconds if seconds is not None else None

@@ -154,13 +154,19 @@ class HiCache:
         self._abandoned: dict[int, tuple[StorageJob, Value]] = {}  # timed-out prefetches still writing host pages
         self.stats = CacheStats()
         # Each prefix lookup feeds the capacity estimator: the host is inclusive under the write-through family (it
-        # backs up what the device holds), exclusive under write_back (it holds what the device evicted).
+        # backs up what the device holds), exclusive under write_back (it holds what the device evicted); there the
+        # L3 store's prefetches take host room. Each tier's free room at a lookup, once it evicts, goes with it.
         inclusive = self.policy is not WritePolicy.WRITE_BACK
         self.capacity = telemetry.capacity_feed(
             ps,
             [
                 TierCapacity(Tier.DEVICE, config.device_tokens // ps * ps),
-                TierCapacity(Tier.HOST, config.host_tokens // ps * ps, inclusive=inclusive),
+                TierCapacity(
+                    Tier.HOST,
+                    config.host_tokens // ps * ps,
+                    inclusive=inclusive,
+                    store_behind=not inclusive and self.store is not None,
+                ),
             ],
         )
         telemetry.add_pool_usage_source(self.pool_usage)
@@ -189,6 +195,9 @@ class HiCache:
         full = len(tokens) // ps * ps
         key = list(tokens[:full])
         names = page_hashes(key, ps)
+        for tier, group in ((Tier.DEVICE, self.device), (Tier.HOST, self.host)):
+            if self.stats.evictions[tier.value]:
+                self.capacity.report_free(tier, group.pools[group.anchor].free_slots)
         self.capacity.put((next(self.capacity.seq), names, len(tokens)))
         match = self.tree.match(key, names)
         now = time.monotonic_ns()

@@ -5,6 +5,7 @@
 * :mod:`.sglang`: SGLang 0.5.23's real HiCache classes on a CPU (shims for its four GPU-only pieces);
 * :mod:`.vocabulary`: writes the registry's metric groups and docs/vocabulary.md's instrument table from the rows of
   ``semconv.INSTRUMENTS``;
+* :mod:`.reruns`: the demo's capacity curve beside re-runs of the demo at each size (ground truth);
 * :func:`free_port`: a free TCP port on 127.0.0.1.
 """
 
