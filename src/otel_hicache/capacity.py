@@ -32,8 +32,11 @@ The contract, for a producer (an engine adapter, the reference cache):
   :func:`page_keys` with ``seed`` (a namespace). Exporting over OTLP the ids are copied into the id ring for the export
   process, which keys them at once and runs the model there (``docs/architecture.md``, "Token ids": the only place ids
   go); the curve is then the export process's, and :meth:`CapacityFeed.curve` here holds none of those lookups. A full
-  ring drops the lookup (``queue_full``). Without an export process they are queued like ``put``'s. A feed is given
-  one or the other, not both.
+  ring drops the lookup (``queue_full``). Without an export process they are queued like ``put``'s.
+* **Or, given as digests** (vLLM's block hashes): ``feed.put_hashes(hashes, prompt_tokens)``, the engine's own page
+  keys as ``bytes`` of 8-byte words (16 or 32 bytes each); exporting over OTLP they are joined into the id ring and
+  the export process runs the model on their first 8 bytes; otherwise queued by reference like ``put``'s. A feed is
+  given one of the three ways, not several.
 * **What leaves the process**: only ``hicache.capacity.hit_ratio`` per tier and factor (a gauge, unit ``1``) - the
   predicted share of prompt tokens served by that tier or a faster one if it held ``factor`` times its capacity today,
   the other tiers unchanged; factor ``inf`` is the ceiling (``1 - inf``: tokens seen for the first time). No key, token
@@ -579,9 +582,10 @@ class TokenIds(NamedTuple):
     seed: int
 
 
-#: Where a feed hands token ids to the export process: ``(feed, ids, prompt_tokens, seed)``; False when there is none
-#: now (the lookup is queued for the host thread instead).
-IdSink = Callable[["CapacityFeed", Any, int, int], bool]
+#: Where a feed hands a lookup to the export process: ``(feed, ids, prompt_tokens, seed, stride)``, the prompt's token
+#: ids (``stride`` 0) or ``bytes`` of the engine's page keys, ``stride`` 8-byte words each; False when there is none now
+#: (the lookup is queued for the host thread instead).
+IdSink = Callable[["CapacityFeed", Any, int, int, int], bool]
 
 
 class CapacityFeed:
@@ -659,8 +663,26 @@ class CapacityFeed:
         export process, which keys them and runs the model there (a full ring drops the lookup and counts it);
         otherwise queued by reference for the host thread, as :attr:`put` does. Never raises."""
         sink = self._ids
-        if sink is None or not sink(self, ids, prompt_tokens, seed):
+        if sink is None or not sink(self, ids, prompt_tokens, seed, 0):
             self.put((next(self.seq), TokenIds(ids, seed), prompt_tokens))
+
+    def put_hashes(self, hashes: Sequence[bytes], prompt_tokens: int) -> None:
+        """One admitted request's lookup given as the engine's own page keys, digests of the prefix up to each page
+        (vLLM's ``Request.block_hashes``: 16 or 32 bytes each), on the engine's thread. Exporting over OTLP they are
+        joined (one ``bytes`` copy) into the id ring for the export process, which keys each page by the digest's
+        first 8 bytes; otherwise (or for digests not a whole number of 8-byte words) queued by reference, as
+        :attr:`put` does. Never raises."""
+        sink = self._ids
+        if sink is not None:
+            try:
+                width = len(hashes[0]) if hashes else 8
+                data = b"".join(hashes)
+            except (TypeError, IndexError, KeyError):
+                data, width = b"", 0
+            if width and not width % 8 and len(data) == width * len(hashes):
+                if sink(self, data, prompt_tokens, 0, width // 8):
+                    return
+        self.put((next(self.seq), hashes, prompt_tokens))
 
     def curve(self, limits: Mapping[tuple[str, str], int] | None = None) -> dict[str, TierCurve]:
         """Each tier's predicted ratios now (what the gauge reports); ``limits``: the pool reading by ``(tier, pool)``

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import collections
 import gc
+import hashlib
 import itertools
 import math
 import random
@@ -445,6 +446,53 @@ def test_token_ids_given_over_otlp_are_modelled_by_the_export_process_as_this_pr
             assert rx.wait_for(lambda: rx.capacity_curve().keys() == want.keys(), timeout_s=20), rx.capacity_curve()
             assert rx.wait_for(lambda: rx.capacity_curve() == pytest.approx(want, abs=1e-9), timeout_s=20), (
                 rx.capacity_curve()
+            )
+            assert feed.curve()["device"].hit_ratio["inf"] == 0.0  # nothing was modelled in the host
+        finally:
+            setup.shutdown()
+
+
+def block_hashes(prompt: list[int], width: int) -> list[bytes]:
+    """vLLM-like block hashes of ``prompt``: a digest of ``width`` bytes chained over each full page."""
+    hashes: list[bytes] = []
+    for start in range(0, len(prompt) - PAGE + 1, PAGE):
+        parent = hashes[-1] if hashes else b""
+        hashes.append(hashlib.sha256(parent + array("q", prompt[start : start + PAGE]).tobytes()).digest()[:width])
+    return hashes
+
+
+@pytest.mark.parametrize("width", [32, 16])  # vLLM's sha256 digests, and xxhash's 128-bit ones
+def test_block_hashes_given_over_otlp_are_modelled_by_the_export_process_as_they_are_in_process(width: int) -> None:
+    """``put_hashes`` over OTLP: the digests go through the id ring, the export process keys each page by its first 8
+    bytes, and the curve it exports is the one an in-process telemetry fed the same lists predicts (queued by
+    reference, keyed by the digests themselves: the sample holds every page, so the keys' spelling cannot matter), at
+    every factor of every tier; the host's own model sees none of them."""
+    rng = random.Random(6)
+    docs = [[rng.randrange(1, 32_000) for _ in range(rng.randint(2, 12) * PAGE)] for _ in range(40)]
+    prompts = [rng.choice(docs) + [rng.randrange(32_000) for _ in range(5)] for _ in range(400)]
+    tiers = [TierCapacity(Tier.DEVICE, 8 * PAGE), TierCapacity(Tier.HOST, 32 * PAGE, inclusive=True)]
+    local = make_sdk()
+    try:
+        local_feed = local.telemetry.capacity_feed(PAGE, tiers)
+        for prompt in prompts:
+            local_feed.put_hashes(block_hashes(prompt, width), len(prompt))
+        local.telemetry.snapshot()  # waits for the host thread's lookups
+        expected = local_feed.curve()
+    finally:
+        local.shutdown()
+    want = {(tier, f): c.hit_ratio[f] for tier, c in expected.items() for f in sc.CAPACITY_FACTORS}
+    assert 0 < want[("device", "1")] < want[("host", "1")] < 1  # a curve that says something
+
+    with OtlpReceiver() as rx:
+        setup = configure(env={}, endpoint=rx.grpc_endpoint, protocol="grpc")
+        try:
+            feed = setup.telemetry.capacity_feed(PAGE, tiers)
+            for prompt in prompts:
+                feed.put_hashes(block_hashes(prompt, width), len(prompt))
+            setup.force_flush()
+            assert rx.wait_for(lambda: rx.capacity_curve() == pytest.approx(want, abs=1e-9), timeout_s=20), (
+                rx.capacity_curve(),
+                want,
             )
             assert feed.curve()["device"].hit_ratio["inf"] == 0.0  # nothing was modelled in the host
         finally:

@@ -9,7 +9,7 @@ import pytest
 
 from otel_hicache._internal.shared.ids import IDS_HEADER, IdRing, TierRow, region_bytes
 
-ARENA = 1024  # bytes: 128 int64 slots, a record's header taking three
+ARENA = 1024  # bytes: 128 int64 slots, a record's header taking four
 
 
 def ring() -> IdRing:
@@ -30,12 +30,27 @@ def test_records_come_out_in_order_across_the_end_of_the_arena_and_what_was_read
     ]
 
 
+def test_an_engines_page_keys_come_out_as_the_first_word_of_each_digest() -> None:
+    r = ring()
+    digests = [bytes(range(i, i + 32)) for i in range(5)]  # 32-byte digests (vLLM's sha256): four words a key
+    assert r.put(b"".join(digests), 80, 0, 4)
+    (lookup,) = r.take()
+    assert lookup.prompt_tokens == 80 and lookup.stride == 4
+    assert list(lookup.keys() or []) == [int.from_bytes(d[:8], "little", signed=True) for d in digests]
+    assert r.put(array("q", [1, 2]), 2, 0)
+    (ids,) = r.take()
+    assert ids.keys() is None and list(ids.ids) == [1, 2]  # token ids: keyed by the export process
+    with pytest.raises(ValueError):
+        r.put(bytes(24), 16, 0, 2)  # not whole 16-byte keys
+    assert list(r.take()) == []
+
+
 def test_a_full_ring_refuses_a_record_and_keeps_the_unread_ones_intact() -> None:
     r = ring()
     written = 0
     while r.put(array("q", [written] * 10), 10, 0):
         written += 1
-    assert written == ARENA // (8 * 13)  # whole records only; the one that does not fit is refused
+    assert written == ARENA // (8 * 14)  # whole records only; the one that does not fit is refused
     assert not r.put(array("q", [0] * 10), 10, 0)  # still full: nothing was overwritten
     assert [x.ids[0] for x in r.take()] == list(range(written))
     assert r.put(array("q", [7] * 10), 10, 0)  # room again once read

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import subprocess
 from array import array
 from typing import Any
 
@@ -28,34 +27,23 @@ from otel_hicache._internal.shared.channel import EXPORTER_PID
 from otel_hicache._internal.shared.ids import WRITE
 from otel_hicache.testing.sglang_serving import Served
 from otel_hicache.testing.workloads import documents
+from tests.canary import NOBODY, Canary, exporter_memfd, opens_as, proc_parts
 
 pytestmark = pytest.mark.sglang
 
 CANARY = 0x5EC2_E7CA_4A21_D1E5  # a token id no vocabulary has, and no counter, size or time would read
-SPELLINGS = (
-    CANARY.to_bytes(8, "little"),
-    CANARY.to_bytes(8, "big"),
-    str(CANARY).encode(),
-    f"{CANARY:x}".encode(),
+SPELLINGS = Canary(
+    (
+        CANARY.to_bytes(8, "little"),
+        CANARY.to_bytes(8, "big"),
+        str(CANARY).encode(),
+        f"{CANARY:x}".encode(),
+    )
 )
-NOBODY = 65534
 
 
 def holds_canary(data: bytes) -> bool:
-    return any(spelling in data for spelling in SPELLINGS)
-
-
-def exporter_memfd(pid: int) -> str:
-    """The path of the export process's descriptor of the shared memory."""
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:otel-hicache"):
-            return f"/proc/{pid}/fd/{fd}"
-    raise AssertionError("the export process maps no otel-hicache memfd")
-
-
-def opens_as(path: str, uid: int | None) -> bool:
-    """Whether a process of user ``uid`` (None: ours) can open ``path`` for reading."""
-    return subprocess.run(["/bin/sh", "-c", f"exec 3< {path}"], user=uid, capture_output=True).returncode == 0
+    return SPELLINGS.found_in(data)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs to start a process as another user")
@@ -83,9 +71,7 @@ def test_token_ids_reach_the_export_process_through_the_id_ring_alone(
                 pid = int(channel.ints[EXPORTER_PID])
                 written = int(channel.ids.ints[WRITE])
                 processes = {os.getpid(), pid}
-                proc = b"".join(
-                    open(f"/proc/{p}/{part}", "rb").read() for p in processes for part in ("environ", "cmdline")
-                )
+                proc = b"".join(map(proc_parts, processes))
                 memory = bytes(channel.bytes)
                 memfd = exporter_memfd(pid)
                 readable = opens_as(memfd, None), opens_as(memfd, NOBODY)

@@ -244,7 +244,7 @@ class CapacityFeeder(EngineHooks, ABC):
 
 class AdmissionHooks(CapacityFeeder, ABC):
     """Base of an engine's admission wrapper feeding the capacity estimator one admitted request per call, handed
-    over as what :meth:`_payload` returns (a reference and its prompt length; None: left out)."""
+    over as what :meth:`_payload` returns (the engine's block hashes and the prompt's length; None: left out)."""
 
     def admitted(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
@@ -252,12 +252,13 @@ class AdmissionHooks(CapacityFeeder, ABC):
         if feed is not None:
             payload = self._payload(args, kwargs)
             if payload is not None:
-                feed.put((next(feed.seq), *payload))
+                feed.put_hashes(*payload)
         return result
 
     @abstractmethod
-    def _payload(self, args: tuple, kwargs: dict) -> tuple[Any, int] | None:
-        """What the estimator's host thread reads of one admitted request, and its prompt length; None: left out."""
+    def _payload(self, args: tuple, kwargs: dict) -> tuple[Sequence[bytes], int] | None:
+        """The page keys of one admitted request, digests (:meth:`~otel_hicache.capacity.CapacityFeed.put_hashes`),
+        and its prompt length; None: left out."""
 
 
 def _unset(provider: Any) -> bool:

@@ -1,7 +1,8 @@
 """The capacity estimator, run in the export process from the id ring (:mod:`~otel_hicache._internal.shared.ids`).
 
 Each record read is turned into page keys at once (:func:`otel_hicache.prefix_keys.page_keys`, seeded by the request's
-namespace), its ids dropped and its bytes in the ring already zeroed; the model (:class:`~otel_hicache.capacity.
+namespace; a record of the engine's own keys, vLLM's block hashes, is keyed by the first 8 bytes of each), its ids
+dropped and its bytes in the ring already zeroed; the model (:class:`~otel_hicache.capacity.
 CapacityModel`) keeps keys and sampled hashes only. About once a second the curve is written into the table's capacity
 slots, of which this process is then the only writer (the host writes none while its channel has an id ring). A
 replacement exporter starts a model of its own from the next unread record: the curve is an estimate, and every
@@ -41,7 +42,11 @@ class RingEstimator:
         for lookup in self._ring.take():
             model = self._model
             if model is not None and lookup.prompt_tokens >= 0:
-                model.access(page_keys(lookup.ids, model.page_tokens, lookup.seed), lookup.prompt_tokens)
+                keys = lookup.keys()  # the engine's own (vLLM's block hashes), or keys computed from token ids
+                model.access(
+                    page_keys(lookup.ids, model.page_tokens, lookup.seed) if keys is None else keys,
+                    lookup.prompt_tokens,
+                )
         now = time.monotonic()
         if now >= self._next_publish:
             self._next_publish = now + PUBLISH_INTERVAL_S

@@ -326,10 +326,11 @@ class HostWorker:
         self._pools_reported = bool(readings)
         self._tally.pools(readings, refused, corrections)
 
-    def put_ids(self, feed: CapacityFeed, ids: Any, prompt_tokens: int, seed: int) -> bool:
-        """A capacity lookup's token ids into the channel's id ring, for the export process (the engine's thread);
-        False when the channel has none now (private memory: the lookup is queued for this process instead). A full
-        ring drops the lookup, counted as ``queue_full``; ids that are not int64 are counted as ``build_failed``."""
+    def put_ids(self, feed: CapacityFeed, ids: Any, prompt_tokens: int, seed: int, stride: int = 0) -> bool:
+        """A capacity lookup's token ids (or ``bytes`` of page keys, ``stride`` words each) into the channel's id ring,
+        for the export process (the engine's thread); False when the channel has none now (private memory: the lookup
+        is queued for this process instead). A full ring drops the lookup, counted as ``queue_full``; ids that are not
+        int64 are counted as ``build_failed``."""
         problem = None
         with self._tally.lock:  # the channel is swapped under it (moved into shared memory, released at shutdown)
             ring = self.channel.ids
@@ -339,7 +340,7 @@ class HostWorker:
                 ring.describe(feed.page_tokens, _tier_rows(feed, self.channel.layout.pools))
                 self._described = (ring, feed.generation)
             try:
-                if not ring.put(ids, prompt_tokens, seed):
+                if not ring.put(ids, prompt_tokens, seed, stride):
                     problem = Problem.QUEUE_FULL
             except (OverflowError, TypeError, ValueError):
                 problem = Problem.BUILD_FAILED

@@ -1,12 +1,15 @@
-"""The id ring: the one place a prompt's token ids travel, from a hook in the host to its export process.
+"""The id ring: the one place a prompt's token ids travel, from a hook in the host to its export process (and the way
+an engine's own page keys travel there too: vLLM's block hashes).
 
 A region at the end of the channel's memfd (:mod:`~otel_hicache._internal.shared.channel`, shared only: anonymous,
 mode ``0600``, inherited by the export process alone), laid out as::
 
     header (IDS_HEADER int64: cursors, the feed's page size and tiers)  |  arena (variable-length records)
 
-A record is ``(ids, prompt tokens, seed)`` then the ids, int64 each: one admitted request's prompt, copied on the
-engine's thread (an ``array('q')`` in one copy, anything else through one ``array('q')``). The host is the only
+A record is ``(words, prompt tokens, seed, stride)`` then its words, int64 each: one admitted request's lookup, copied
+on the engine's thread. Stride 0: the words are the prompt's token ids (an ``array('q')`` in one copy, anything else
+through one ``array('q')``), keyed by the export process; stride ``k``: they are the engine's own page keys, ``k``
+words a key (vLLM's digests joined, one ``bytes`` copy), of which the first word is the key. The host is the only
 producer (under its lock), the export process the only consumer: it reads a record, turns its ids into page keys at
 once and zeroes the record's bytes before it moves ``READ`` on, so the arena holds the ids of unread records only. A
 record that does not fit is dropped (the producer counts it), never waited for; one that does not fit before the end
@@ -30,16 +33,21 @@ MAX_TIERS = 3
 IDS_HEADER = TIER_ROWS + MAX_TIERS * TIER_WIDTH + 1
 #: The arena's size in a shared channel: 128 Ki ids (32 prompts of 4,096 tokens), read every 0.1 s by the exporter.
 ARENA_BYTES = 1 << 20
-_RECORD = struct.Struct("<qqq")  # ids (-1: wrap to the arena's start), prompt tokens, seed
+_RECORD = struct.Struct("<qqqq")  # words (-1: wrap to the arena's start), prompt tokens, seed, stride
 _WRAP = -1
 
 
 class Lookup(NamedTuple):
-    """One record as the exporter reads it (the ids a private copy, the ring's bytes already zeroed)."""
+    """One record as the exporter reads it (the words a private copy, the ring's bytes already zeroed)."""
 
-    ids: array[int]
+    ids: array[int]  # token ids (stride 0), or page keys of ``stride`` words each
     prompt_tokens: int
     seed: int
+    stride: int
+
+    def keys(self) -> array[int] | None:
+        """The engine's page keys (a key's first word each), or None for token ids."""
+        return self.ids[:: self.stride] if self.stride else None
 
 
 class TierRow(NamedTuple):
@@ -82,12 +90,18 @@ class IdRing:
         ints[PAGE_TOKENS] = page_tokens
         ints[TIERS] = len(tiers[:MAX_TIERS]) | (((ints[TIERS] >> 8) + 1) << 8)  # count, and a generation above it
 
-    def put(self, ids: Any, prompt_tokens: int, seed: int) -> bool:
-        """Copy one prompt's ids in; False (nothing written) when the arena cannot take it now. Raises OverflowError
-        or TypeError for ids that are not int64 (the caller counts it)."""
-        if not (type(ids) is array and ids.typecode == "q"):
-            ids = array("q", ids)
-        data = memoryview(ids).cast("B")
+    def put(self, ids: Any, prompt_tokens: int, seed: int, stride: int = 0) -> bool:
+        """Copy one lookup in: a prompt's token ids (``stride`` 0), or ``bytes`` of page keys ``stride`` words each;
+        False (nothing written) when the arena cannot take it now. Raises OverflowError or TypeError for ids that are
+        not int64, ValueError for bytes that are not whole keys (the caller counts it)."""
+        if stride:
+            data = memoryview(ids)
+            if len(data) % (8 * stride):
+                raise ValueError("not whole keys")
+        else:
+            if not (type(ids) is array and ids.typecode == "q"):
+                ids = array("q", ids)
+            data = memoryview(ids).cast("B")
         need = _RECORD.size + len(data)
         ints, size = self.ints, self.size
         write, read = ints[WRITE], ints[READ]
@@ -101,8 +115,8 @@ class IdRing:
         if write + wrap + need - read > size:
             return False
         if wrap >= _RECORD.size:
-            _RECORD.pack_into(self._arena, write % size, _WRAP, 0, 0)
-        _RECORD.pack_into(self._arena, at, len(ids), prompt_tokens, seed)
+            _RECORD.pack_into(self._arena, write % size, _WRAP, 0, 0, 0)
+        _RECORD.pack_into(self._arena, at, len(data) // 8, prompt_tokens, seed, stride)
         self._arena[at + _RECORD.size : at + need] = data
         ints[WRITE] = write + wrap + need  # published after the bytes
         return True
@@ -131,10 +145,10 @@ class IdRing:
                 arena[at:] = bytes(tail)
                 ints[READ] = read + tail
                 continue
-            n, prompt_tokens, seed = _RECORD.unpack_from(arena, at)
+            n, prompt_tokens, seed, stride = _RECORD.unpack_from(arena, at)
             end = at + _RECORD.size + 8 * n
             ids = array("q")
             ids.frombytes(arena[at + _RECORD.size : end])
             arena[at:end] = bytes(end - at)
             ints[READ] = read + end - at
-            yield Lookup(ids, prompt_tokens, seed)
+            yield Lookup(ids, prompt_tokens, seed, stride)

@@ -70,7 +70,8 @@ alloc``                                       ``device_hit``, ``host_hit``, ``st
                                               (vLLM >= 0.33), the time the workers waited for it inside the step
 ``KVCacheManager.record_prefix_cache_stats``  ``hicache.capacity.hit_ratio{tier, factor}`` (engine core): each request
                                               admitted after a prefix-cache lookup, its block hashes handed to the
-                                              capacity estimator (:mod:`.capacity`: what the model assumes)
+                                              capacity estimator (over OTLP in the export process; :mod:`.capacity`:
+                                              what the model assumes)
 ``Scheduler.add_request``,                    with vLLM's tracing on (``--otlp-traces-endpoint``): vLLM's request
 ``OffloadingConnectorScheduler.build_         span ``llm_request`` gets ``hicache.prefix.tokens.<mode>`` and
 connector_meta``, ``OutputProcessor.          ``hicache.kv_wait.host``, and each transfer span links to the request

@@ -4,9 +4,11 @@
 The access stream is what vLLM's scheduler admits after a prefix-cache lookup: ``KVCacheManager.
 record_prefix_cache_stats(request, num_hits)``, which vLLM calls once per admission that looked the cache up (a
 request preempted and resumed is left out, as vLLM's own prefill statistics leave it out). The keys are vLLM's own
-block hashes (``Request.block_hashes``): on the scheduler thread the wrapper hands over a reference to that list and
-the prompt's length (one ``put`` on a bounded queue, two C calls); the telemetry's host thread reads the prompt's full
-blocks from it. No hash leaves the process; only the curve does.
+block hashes (``Request.block_hashes``, a digest of each full block's prefix): on the scheduler thread the wrapper
+hands them over with the prompt's length (:meth:`~otel_hicache.capacity.CapacityFeed.put_hashes`). Exporting over
+OTLP they are joined into the id ring (one ``bytes`` copy) and the export process runs the estimator; otherwise the
+telemetry's host thread reads them from a reference to vLLM's list. No hash leaves our processes; only the curve
+does.
 
 What the model assumes of vLLM (``docs/vllm.md``):
 
@@ -53,7 +55,7 @@ class CapacityHooks(AdmissionHooks):
         super().__init__(sink, ranks)
         self._cpu_tier_policies = cpu_tier_policies
 
-    def _payload(self, args: tuple, kwargs: dict) -> tuple[Any, int] | None:
+    def _payload(self, args: tuple, kwargs: dict) -> tuple[list[bytes], int] | None:
         request = args[0] if args else kwargs["request"]
         return None if request.num_preemptions else (request.block_hashes, request.num_prompt_tokens)
 
