@@ -8,9 +8,11 @@ Run in each engine's venv::
 * **Scheduler thread**: vLLM: the admission method wrapped as the instrumentor wraps it (wrapt, the failure-rule guard
   of :mod:`otel_hicache.integrations._base`, our hook handing the request over), called on a real admitted request
   (vLLM's ``Request`` with vLLM's own block hasher), minus the same call of an unwrapped no-op standing in for the
-  engine's method: what instrumenting adds per admission. SGLang: what its batch's wrapper (``PrefillStats.from_adder``)
-  does per admitted request (a batch of one real ``Req`` from a real ``PrefillAdder`` admission, a request of its own
-  each time), and apart, what any wrapper costs per batch. Thread CPU time, median of blocks.
+  engine's method: what instrumenting adds per admission; embedded (a reference queued for the host thread), and
+  exporting over OTLP (the block hashes joined into the id ring for the export process), at 4,096 and 80 tokens.
+  SGLang: what its batch's wrapper (``PrefillStats.from_adder``) does per admitted request (a batch of one real
+  ``Req`` from a real ``PrefillAdder`` admission, a request of its own each time), and apart, what any wrapper costs
+  per batch. Thread CPU time, median of blocks.
 * **Host process**: the telemetry host thread's work for one admitted 4,096-token request - its page keys (SGLang:
   hashed from its token ids, at page sizes 1 and 16; vLLM: its own block hashes, 16-token blocks) and the estimator's
   update - on a model warmed with 5,000 requests of a Zipf-over-documents workload (sampling at its fixed size); and
@@ -42,20 +44,23 @@ WARM_REQUESTS = 5_000
 FILLED = 3_000
 
 
-def _thread_ns(call: Callable[[], object], n: int, blocks: int = 15) -> float:
-    """Median over ``blocks`` of the thread CPU per call of ``call``, ``n`` calls a block."""
+def _thread_ns(call: Callable[[], object], n: int, blocks: int = 15, pause_s: float = 0.0) -> float:
+    """Median over ``blocks`` of the thread CPU per call of ``call``, ``n`` calls a block, ``pause_s`` between
+    blocks (untimed: an export process reads the id ring meanwhile)."""
     per_call = []
     for _ in range(blocks):
         t0 = time.thread_time_ns()
         for _ in range(n):
             call()
         per_call.append((time.thread_time_ns() - t0) / n)
+        time.sleep(pause_s)
     return statistics.median(per_call)
 
 
-def _wrapped_cost(hook: Any, instance: Any, args: tuple[Any, ...]) -> float:
+def _wrapped_cost(hook: Any, instance: Any, args: tuple[Any, ...], n: int = 20_000, pause_s: float = 0.0) -> float:
     """Thread CPU (ns) the instrumentation adds to one admission: ``hook`` installed as the instrumentor installs it,
-    around a no-op standing in for the engine's method, minus that no-op called bare."""
+    around a no-op standing in for the engine's method, minus that no-op called bare (``n`` calls a block,
+    ``pause_s`` between blocks)."""
     import wrapt
 
     from otel_hicache.integrations._patching import AdapterSwitch, guarded
@@ -65,8 +70,8 @@ def _wrapped_cost(hook: Any, instance: Any, args: tuple[Any, ...]) -> float:
 
     method = wrapt.FunctionWrapper(admission, guarded(hook, "bench", "capacity", AdapterSwitch("bench")))
     bound = method.__get__(instance, type(instance))  # a method call on the engine's object, as in the engine
-    n = 20_000
-    return _thread_ns(lambda: bound(*args), n) - _thread_ns(lambda: admission(instance, *args), n)
+    blocks = 15 if not pause_s else 41
+    return _thread_ns(lambda: bound(*args), n, blocks, pause_s) - _thread_ns(lambda: admission(instance, *args), n)
 
 
 def _passthrough(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -212,11 +217,14 @@ def vllm() -> list[str]:
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
+    from otel_hicache import semconv as sc
+    from otel_hicache._internal.shared.ids import ARENA_BYTES
     from otel_hicache.capacity import TierCapacity
     from otel_hicache.integrations._base import ProcessSink
     from otel_hicache.integrations.vllm.capacity import CapacityHooks
     from otel_hicache.integrations.vllm.cpu_tier import CpuTierHooks
     from otel_hicache.integrations.vllm.instrumentor import vllm_ranks
+    from otel_hicache.sdk import configure
     from otel_hicache.semconv import Engine, Tier
     from otel_hicache.telemetry import HiCacheTelemetry
 
@@ -245,6 +253,23 @@ def vllm() -> list[str]:
     model = _thread_ns(functools.partial(feed.build, entry), 20, blocks=7)
     rows.append(_row("vLLM 0.32", "host thread, 4,096-token request, block 16: model (keys: vLLM's)", model))
     telemetry.shutdown()
+    # Exporting over OTLP (a collector nobody listens at: the hand-over does not depend on it), the block hashes go to
+    # the export process: joined into the id ring on the scheduler thread, blocks of at most half the ring's records.
+    setup = configure(env={}, endpoint="http://127.0.0.1:9", protocol="grpc")
+    otlp = ProcessSink(Engine.VLLM, telemetry=setup.telemetry)
+    hooks = CapacityHooks(otlp, vllm_ranks, CpuTierHooks(otlp, vllm_ranks).policies)
+    feed = setup.telemetry.capacity_feed(block, (TierCapacity(Tier.DEVICE, 1 << 20), TierCapacity(Tier.HOST, 1 << 21)))
+    hooks._started, hooks._feed = True, feed
+    for tokens in (PROMPT_TOKENS, 80):
+        admitted = request(list(range(1, tokens + 1)))
+        fits = ARENA_BYTES // (32 * (len(admitted.block_hashes) + 1))  # sha256: 32 bytes a block, and the header
+        cost = _wrapped_cost(hooks.admitted, None, (admitted, 0), n=min(2_000, fits // 2), pause_s=0.25)
+        what = f"scheduler thread, over OTLP: `record_prefix_cache_stats` wrapped, {tokens:,} tokens (id ring)"
+        rows.append(_row("vLLM 0.32", what, cost))
+    rejected = setup.telemetry.snapshot()[sc.METRIC_RECORDS_REJECTED]
+    setup.shutdown(timeout_s=1)
+    if sum(rejected.values()):
+        raise SystemExit(f"lookups were refused, so the figure is not the hand-over's: {rejected}")
     return rows
 
 
