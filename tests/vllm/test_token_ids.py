@@ -17,6 +17,7 @@ import os
 import uuid
 from array import array
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,17 +30,16 @@ from tests.vllm.engine import Exported, needs_cpu_build, otlp_environment, run_o
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), needs_cpu_build]
 
 
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs to start a process as another user")
 def test_token_ids_reach_no_process_message_or_memory_of_ours(tiny_model: Path) -> None:
-    marker = f"HICACHE_CANARY_RUN={uuid.uuid4().hex}"  # an export process starts with its host's environment, less OTEL_*
+    marker = f"HICACHE_CANARY_RUN={uuid.uuid4().hex}"  # an export process has its host's environment, less OTEL_*
     name, value = marker.split("=")
     with OtlpReceiver() as receiver:
         env = environment(**otlp_environment(receiver, "vllm-canary"), **{name: value})
         output = run_offline(tiny_model, env, "--marker", marker, module="tests.vllm.canary_app")
         exported = Exported(receiver)
         assert exported.wait(lambda: bool(exported.latest(sc.METRIC_CAPACITY_HIT_RATIO)), timeout_s=60)
-        requests = [*receiver.trace_requests, *receiver.metric_requests]
+        requests: list[Any] = [*receiver.trace_requests, *receiver.metric_requests]
         otlp = b"".join(r.SerializeToString() for r in requests)
         headers = repr(receiver.headers).encode()
     (line,) = [line for line in output.splitlines() if line.startswith(RESULT)]
