@@ -57,10 +57,12 @@ def _thread_ns(call: Callable[[], object], n: int, blocks: int = 15, pause_s: fl
     return statistics.median(per_call)
 
 
-def _wrapped_cost(hook: Any, instance: Any, args: tuple[Any, ...], n: int = 20_000, pause_s: float = 0.0) -> float:
+def _wrapped_cost(
+    hook: Any, instance: Any, args: tuple[Any, ...], n: int = 20_000, blocks: int = 15, pause_s: float = 0.0
+) -> float:
     """Thread CPU (ns) the instrumentation adds to one admission: ``hook`` installed as the instrumentor installs it,
-    around a no-op standing in for the engine's method, minus that no-op called bare (``n`` calls a block,
-    ``pause_s`` between blocks)."""
+    around a no-op standing in for the engine's method, minus that no-op called bare (``blocks`` of ``n`` calls,
+    ``pause_s`` between them)."""
     import wrapt
 
     from otel_hicache.integrations._patching import AdapterSwitch, guarded
@@ -70,7 +72,6 @@ def _wrapped_cost(hook: Any, instance: Any, args: tuple[Any, ...], n: int = 20_0
 
     method = wrapt.FunctionWrapper(admission, guarded(hook, "bench", "capacity", AdapterSwitch("bench")))
     bound = method.__get__(instance, type(instance))  # a method call on the engine's object, as in the engine
-    blocks = 15 if not pause_s else 41
     return _thread_ns(lambda: bound(*args), n, blocks, pause_s) - _thread_ns(lambda: admission(instance, *args), n)
 
 
@@ -263,7 +264,7 @@ def vllm() -> list[str]:
     for tokens in (PROMPT_TOKENS, 80):
         admitted = request(list(range(1, tokens + 1)))
         fits = ARENA_BYTES // (32 * (len(admitted.block_hashes) + 1))  # sha256: 32 bytes a block, and the header
-        cost = _wrapped_cost(hooks.admitted, None, (admitted, 0), n=min(2_000, fits // 2), pause_s=0.25)
+        cost = _wrapped_cost(hooks.admitted, None, (admitted, 0), n=min(2_000, fits // 2), blocks=41, pause_s=0.25)
         what = f"scheduler thread, over OTLP: `record_prefix_cache_stats` wrapped, {tokens:,} tokens (id ring)"
         rows.append(_row("vLLM 0.32", what, cost))
     rejected = setup.telemetry.snapshot()[sc.METRIC_RECORDS_REJECTED]

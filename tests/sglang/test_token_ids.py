@@ -32,7 +32,7 @@ from tests.canary import NOBODY, Canary, exporter_memfd, opens_as, proc_parts
 pytestmark = pytest.mark.sglang
 
 CANARY = 0x5EC2_E7CA_4A21_D1E5  # a token id no vocabulary has, and no counter, size or time would read
-SPELLINGS = Canary(
+SPELLINGS = Canary(  # the canary's bytes either way round, its decimal and its hexadecimal spelling
     (
         CANARY.to_bytes(8, "little"),
         CANARY.to_bytes(8, "big"),
@@ -40,10 +40,6 @@ SPELLINGS = Canary(
         f"{CANARY:x}".encode(),
     )
 )
-
-
-def holds_canary(data: bytes) -> bool:
-    return SPELLINGS.found_in(data)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs to start a process as another user")
@@ -86,11 +82,11 @@ def test_token_ids_reach_the_export_process_through_the_id_ring_alone(
     logs = "\n".join(record.getMessage() for record in caplog.records).encode()
     out, err = capfd.readouterr()
 
-    assert holds_canary(array("q", prompts[0]).tobytes())  # the probe finds a raw copy of a prompt's ids
+    assert SPELLINGS.found_in(array("q", prompts[0]).tobytes())  # the probe finds a raw copy of a prompt's ids
     assert written > 0, "the ids went through the id ring"
     assert receiver.spans(), "transfers were exported as spans"
-    assert not holds_canary(otlp + headers)
-    assert not holds_canary(logs + out.encode() + err.encode())
-    assert not holds_canary(proc)
-    assert not holds_canary(memory), "neither the table nor the id ring (read, so zeroed) holds an id"
+    assert not SPELLINGS.found_in(otlp + headers)
+    assert not SPELLINGS.found_in(logs + out.encode() + err.encode())
+    assert not SPELLINGS.found_in(proc)
+    assert not SPELLINGS.found_in(memory), "neither the table nor the id ring (read, so zeroed) holds an id"
     assert readable == (True, False), "our user opens the shared memory, another one cannot"

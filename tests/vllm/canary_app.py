@@ -52,26 +52,25 @@ def inspect(marker: bytes, timeout_s: float = 30) -> dict[str, Any]:
 
     deadline = time.monotonic() + timeout_s
     while True:
-        pids = export_processes(marker)
-        memory = {pid: open(exporter_memfd(pid), "rb").read() for pid in pids}
+        paths = {pid: exporter_memfd(pid) for pid in export_processes(marker)}
+        memory = {pid: open(path, "rb").read() for pid, path in paths.items()}
         cursors = {}
         for pid, data in memory.items():
             ring = IdRing(memoryview(bytearray(data[-region_bytes(ARENA_BYTES) :])))
             cursors[pid] = (int(ring.ints[WRITE]), int(ring.ints[READ]))
             ring.release()
         read = all(write == read for write, read in cursors.values())
-        if (pids and read and any(write for write, _ in cursors.values())) or time.monotonic() > deadline:
+        if (paths and read and any(write for write, _ in cursors.values())) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     places = [f"memory of {pid}" for pid, data in memory.items() if CANARY.found_in(data)]
-    places += [f"environ or cmdline of {pid}" for pid in pids if CANARY.found_in(proc_parts(pid))]
-    paths = [exporter_memfd(pid) for pid in pids]
+    places += [f"environ or cmdline of {pid}" for pid in paths if CANARY.found_in(proc_parts(pid))]
     return {
-        "exporters": len(pids),
+        "exporters": len(paths),
         "ring_written": [write for write, _ in cursors.values()],
         "canary_in": places,
-        "we_open": all(opens_as(path, None) for path in paths),
-        "nobody_opens": any(opens_as(path, NOBODY) for path in paths),
+        "we_open": all(opens_as(path, None) for path in paths.values()),
+        "nobody_opens": any(opens_as(path, NOBODY) for path in paths.values()),
     }
 
 

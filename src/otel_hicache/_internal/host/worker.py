@@ -326,7 +326,7 @@ class HostWorker:
         self._pools_reported = bool(readings)
         self._tally.pools(readings, refused, corrections)
 
-    def put_ids(self, feed: CapacityFeed, ids: Any, prompt_tokens: int, seed: int, stride: int = 0) -> bool:
+    def put_ids(self, feed: CapacityFeed, ids: Any, prompt_tokens: int, seed: int, stride: int) -> bool:
         """A capacity lookup's token ids (or ``bytes`` of page keys, ``stride`` words each) into the channel's id ring,
         for the export process (the engine's thread); False when the channel has none now (private memory: the lookup
         is queued for this process instead). A full ring drops the lookup, counted as ``queue_full``; ids that are not
