@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from otel_hicache import semconv as sc
+from otel_hicache.summary import SizeDecision, size_decisions
 
 if TYPE_CHECKING:
     from otel_hicache.cache.demo import DemoResult
@@ -91,6 +92,7 @@ def render(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> str:
     out.append(f"Evictions: {evictions or 'none'}")
     out += _answers(summary)
     out += _what_if(result)
+    out += _decisions(size_decisions(summary, result.capacity, result.wall_time_s))
 
     if summary.pools:
         out += ["", "Pool usage at the end"]
@@ -203,6 +205,9 @@ def jsonable(summary: Summary, result: DemoResult, setup: TelemetrySetup) -> dic
         body[f.name] = plain(value)
     body["hit_rates"] = summary.hit_rates
     body["capacity"] = result.capacity  # hicache.capacity.hit_ratio: tier -> tokens, predicted share by factor
+    body["size_decisions"] = [
+        dataclasses.asdict(d) for d in size_decisions(summary, result.capacity, result.wall_time_s)
+    ]
     body["elapsed_s"] = result.wall_time_s
     body["mode"] = setup.mode
     body["result"] = dataclasses.asdict(result)
@@ -226,6 +231,23 @@ def _what_if(result: DemoResult) -> list[str]:
         "  (predicted from sampled reuse distances of the prefix lookups, the other tiers at today's size; ceiling: "
         "all but first-time tokens)"
     )
+    return out
+
+
+def _decisions(decisions: Sequence[SizeDecision]) -> list[str]:
+    """The what-if in the operator's units: per tier and factor, the memory it takes and the prefill it saves."""
+    if not decisions:
+        return []
+    known = all(d.prefill_seconds_per_s is not None for d in decisions)
+    out = ["", "What each size would take and save (memory: all pools per kv token; prefill: this run's prompt rate)"]
+    rows: list[tuple[str, ...]] = [("tier", "size", "memory", "prefill tokens/s", "prefill s/s" if known else "")]
+    for d in decisions:
+        memory = ("+" if d.memory_bytes > 0 else "-") + _bytes(abs(d.memory_bytes))
+        seconds = f"{d.prefill_seconds_per_s:+.4f}" if d.prefill_seconds_per_s is not None else ""
+        rows.append((d.tier, f"{d.factor}x", memory, f"{d.prefill_tokens_per_s:+,.0f}", seconds))
+    out += _table(rows)
+    if not known:
+        out.append("  (prefill seconds: give --prefill-seconds-per-token, the engine's own cost of computing a token)")
     return out
 
 

@@ -117,6 +117,54 @@ class Delivery:
 
 
 @dataclass(frozen=True)
+class SizeDecision:
+    """Resizing one tier by one factor in the operator's units (the recording rules ``hicache:capacity_memory_bytes``
+    and ``hicache:capacity_prefill_seconds_per_second``, for the run): the memory it takes (+) or frees (-), and the
+    prompt tokens per second it would serve more (+) or fewer (-), with their prefill seconds where the recompute cost
+    is known."""
+
+    tier: str
+    factor: str
+    memory_bytes: float  # (factor - 1) x the tier's kv capacity today x the bytes kept per kv token
+    prefill_tokens_per_s: float  # (predicted share at factor - at 1x) x prompt tokens per second
+    prefill_seconds_per_s: float | None  # those tokens x the prefill seconds per token (None: not given)
+
+
+def size_decisions(
+    summary: Summary,
+    capacity: Mapping[str, Mapping[str, Any]],
+    seconds: float,
+    factors: Sequence[str] = ("0.5", "2", "4"),
+) -> list[SizeDecision]:
+    """Each tier of ``capacity`` (tier -> ``tokens`` today and ``hit_ratio`` by factor: the curve) at each of
+    ``factors``, for a run of ``seconds``: its memory from the bytes its backups and load backs moved per kv token
+    (every pool's bytes over the kv tokens: sidecars and state slots included, as the pools keep them), its prefill
+    from the share it would gain and the run's prompt tokens per second. Nothing without such transfers or time."""
+    ops = (sc.TransferOperation.BACKUP.value, sc.TransferOperation.LOAD_BACK.value)
+    kv_tokens = sum(summary.tokens.get((op, "kv"), 0) for op in ops)
+    if not kv_tokens or seconds <= 0:
+        return []
+    per_token = sum(summary.bytes_by_operation.get(op, 0) for op in ops) / kv_tokens
+    prompt_rate = summary.prefill_total / seconds
+    out = []
+    for tier, curve in capacity.items():
+        ratios = curve["hit_ratio"]
+        for factor in factors:
+            tokens = (ratios[factor] - ratios["1"]) * prompt_rate
+            cost = summary.prefill_seconds_per_token
+            out.append(
+                SizeDecision(
+                    tier,
+                    factor,
+                    (float(factor) - 1) * curve["tokens"] * per_token,
+                    tokens,
+                    None if cost is None else tokens * cost,
+                )
+            )
+    return out
+
+
+@dataclass(frozen=True)
 class Summary:
     """Everything :func:`summarize` computes. Mappings are keyed by semconv attribute values."""
 

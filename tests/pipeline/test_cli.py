@@ -126,6 +126,32 @@ def test_tiers_sized_on_the_command_line_carry_their_capacity_curve_in_the_json(
     assert device_row.endswith(" pt")  # the model's error at 1x, beside the observed share
 
 
+def test_the_what_if_is_given_in_memory_and_prefill_seconds_from_the_runs_own_numbers() -> None:
+    """Each tier's memory at a size is its kv capacity change times the bytes its transfers moved per kv token (every
+    pool's), and the prefill it saves the share it gains times the run's prompt tokens per second times the recompute
+    cost given: the recording rules' arithmetic on the demo's JSON."""
+    result = run("demo", "--requests", "60", "--no-progress", "--json", "--prefill-seconds-per-token", "2e-5")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.output)
+    moves = ("backup", "load_back")
+    per_token = sum(body["bytes_by_operation"][op] for op in moves) / sum(body["tokens"][f"{op}/kv"] for op in moves)
+    assert per_token > 1024  # the demo's kv pool keeps 1 KiB per token; its sidecar and state pools add to it
+    rate = sum(body["prefill_tokens"].values()) / body["elapsed_s"]
+    decisions = {(d["tier"], d["factor"]): d for d in body["size_decisions"]}
+    assert set(decisions) == {(tier, f) for tier in ("device", "host") for f in ("0.5", "2", "4")}
+    for (tier, factor), d in decisions.items():
+        curve = body["capacity"][tier]
+        assert d["memory_bytes"] == pytest.approx((float(factor) - 1) * curve["tokens"] * per_token)
+        gained = (curve["hit_ratio"][factor] - curve["hit_ratio"]["1"]) * rate
+        assert d["prefill_tokens_per_s"] == pytest.approx(gained, rel=1e-3)
+        assert d["prefill_seconds_per_s"] == pytest.approx(gained * 2e-5, rel=1e-3)
+    assert decisions["device", "2"]["prefill_seconds_per_s"] > 0 > decisions["device", "0.5"]["prefill_seconds_per_s"]
+    table = run("demo", "--requests", "60", "--no-progress").output
+    (row,) = [line.split() for line in table.splitlines() if line.split()[:2] == ["host", "2x"]]
+    assert row[2].startswith("+") and row[3] in ("KiB", "MiB")  # "+1.9 MiB" of host memory ...
+    assert "give --prefill-seconds-per-token" in table  # ... and the prefill, once the cost is given
+
+
 def test_seed_selects_the_workload() -> None:
     """Same seed, same prompts (the hit split may differ: copies complete asynchronously); another seed, others."""
 

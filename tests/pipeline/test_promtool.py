@@ -172,3 +172,27 @@ def test_the_dashboards_load_versus_recompute_panel_shows_the_rules_the_unit_tes
     for engine in ("sglang", "vllm"):
         assert any(f'hicache_engine="{engine}"' in labels and "engine_prefill" in labels for labels in checked)
         assert any(f'hicache_engine="{engine}"' in labels and "load_seconds" in labels for labels in checked)
+
+
+def test_the_dashboards_memory_and_prefill_panel_shows_rules_the_unit_tests_check() -> None:
+    """ "+N GiB of host memory saves X prefill seconds per second": the panel reads the four recording rules of the
+    capacity curve in the operator's units, and the unit tests evaluate each of them for the device and the host."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    (panel,) = [p for p in dashboard["panels"] if p["title"].startswith("Memory a tier's size takes")]
+    rules = [t["expr"].split("{")[0] for t in panel["targets"]]
+    assert rules == [
+        "hicache:capacity_memory_bytes:gain_2x",
+        "hicache:capacity_prefill_seconds_per_second:gain_2x",
+        "hicache:capacity_memory_bytes:loss_half",
+        "hicache:capacity_prefill_seconds_per_second:loss_half",
+    ]
+    tests = yaml.safe_load((CONFIG / "rules" / "hicache.rules.test.yml").read_text())["tests"]
+    checked = {
+        (case["expr"], tier)
+        for test in tests
+        for case in test.get("promql_expr_test", [])
+        for sample in case["exp_samples"]
+        for tier in ("device", "host")
+        if f'hicache_tier="{tier}"' in sample["labels"] and sample["value"] > 0
+    }
+    assert {(rule, tier) for rule in rules for tier in ("device", "host")} <= checked
