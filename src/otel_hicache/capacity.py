@@ -145,6 +145,13 @@ MAX_SIMULATED_KEYS = 2048
 #: once its round has held the GIL 200 us, instead of holding it throughout. Its keys are read in pieces of four times
 #: as many pages (a page's key costs a quarter to a half of that, and smaller pieces cost more per key than they save).
 PACE_PAGES = 64
+#: Every weight of the model (reuse distances, first uses, pages and tokens looked up, the simulations' hits) halves
+#: after this many lookups: a workload that changes is followed, the old one weighing an eighth of the curve three
+#: half-lives later. The curve's warmth, ``lookups``, is the same decayed count (``hicache.capacity.lookups``).
+HALF_LIFE_LOOKUPS = 10_000
+#: Lookups behind a curve (decayed) before the alerts read it (``collector-config/rules``): fewer, and a tier's share
+#: at another size rests on a few reuses.
+WARM_LOOKUPS = 1_000
 
 Keys = Callable[[Any], Iterable[Hashable]]
 
@@ -189,6 +196,9 @@ class TierCurve:
 
     tokens: int
     hit_ratio: dict[str, float]
+    #: How warm the curve is: the lookups behind it (decayed, :data:`HALF_LIFE_LOOKUPS`) and the pages it samples.
+    lookups: int
+    sampled_pages: int
 
 
 def check_tiers(tiers: Iterable[TierCapacity]) -> tuple[TierCapacity, ...]:
@@ -239,8 +249,10 @@ class CapacityModel:
         self.cold = 0.0  # sample weight of first uses
         self.sampled = 0.0  # sample weight of all sampled uses
         self._sims: dict[tuple[int, int, bool], _WriteBack] = {}  # (faster pages, pages, store behind) -> sim
-        self.prompt_tokens = 0  # exact: every token of every lookup
-        self.paged_tokens = 0  # exact: the tokens of the full pages looked up
+        self.prompt_tokens = 0.0  # exact but for the halvings: every token of every lookup
+        self.paged_tokens = 0.0  # ... and the tokens of the full pages looked up
+        self.lookups = 0.0  # lookups behind the curve, halved with the rest (its warmth)
+        self._until_halving = HALF_LIFE_LOOKUPS
 
     # ------------------------------------------------------------------ the stream
     @property
@@ -254,12 +266,32 @@ class CapacityModel:
         looked, sampled = self.sample(keys, prompt_tokens, pace)
         self.prompt_tokens += prompt_tokens
         self.paged_tokens += looked * self.page_tokens
-        if not sampled:
-            return
-        self._lookup(sampled, pace)
-        if self._sims:
-            self._simulate(sampled, pace)
-        self._touch(sampled, pace)
+        self.lookups += 1
+        if sampled:
+            self._lookup(sampled, pace)
+            if self._sims:
+                self._simulate(sampled, pace)
+            self._touch(sampled, pace)
+        self._until_halving -= 1
+        if not self._until_halving:
+            self._halve()
+
+    def _halve(self) -> None:
+        """Every weight halves (:data:`HALF_LIFE_LOOKUPS`); the LRU stack stays: the pages are still where they were."""
+        self._until_halving = HALF_LIFE_LOOKUPS
+        hist = self._hist
+        for i, weight in enumerate(hist):
+            if weight:
+                hist[i] = weight / 2
+        self._below_bin = None
+        self.cold /= 2
+        self.sampled /= 2
+        self.prompt_tokens /= 2
+        self.paged_tokens /= 2
+        self.lookups /= 2
+        for sim in self._sims.values():
+            sim.hits /= 2
+            sim.sampled /= 2
 
     def sample(
         self, keys: Iterable[Hashable], prompt_tokens: int, pace: Callable[[], None] = unpaced
@@ -395,7 +427,7 @@ class CapacityModel:
                 else:  # inclusive, one exclusive LRU, or a simulation not started yet (as if it held no copy)
                     own = max(size - unused * (1.0 + min(factor, 1.0)) / 2, 0.0)
                     ratios[name] = self.hit_ratio(max(own, held) if row.inclusive else held + own)
-            out[Tier(row.tier).value] = TierCurve(tokens, ratios)
+            out[Tier(row.tier).value] = TierCurve(tokens, ratios, round(self.lookups), len(self._last))
             own = max(tokens // self.page_tokens - unused, 0.0)
             held = max(own, held) if row.inclusive else held + own
         return out

@@ -218,6 +218,8 @@ METRIC_PREFILL_TOKENS: Final = "hicache.prefill.tokens"
 METRIC_POOL_USAGE: Final = "hicache.pool.usage"
 METRIC_POOL_LIMIT: Final = "hicache.pool.limit"
 METRIC_CAPACITY_HIT_RATIO: Final = "hicache.capacity.hit_ratio"
+METRIC_CAPACITY_LOOKUPS: Final = "hicache.capacity.lookups"
+METRIC_CAPACITY_SAMPLED_PAGES: Final = "hicache.capacity.sampled_pages"
 METRIC_RECORDS_REJECTED: Final = "otel_hicache.records.rejected"
 METRIC_RECORDS_NORMALIZED: Final = "otel_hicache.records.normalized"
 METRIC_RECORDS_DROPPED: Final = "otel_hicache.records.dropped"
@@ -230,6 +232,8 @@ UNIT_TRANSFER: Final = "{transfer}"
 UNIT_RECORD: Final = "{record}"
 UNIT_MISMATCH: Final = "{mismatch}"
 UNIT_RATIO: Final = "1"
+UNIT_LOOKUP: Final = "{lookup}"
+UNIT_PAGE: Final = "{page}"
 
 #: Transfer copy durations: ~100 us (a small H->D load back) up to 60 s (a blocking write-back backup).
 TRANSFER_DURATION_BUCKETS: Final[tuple[float, ...]] = (  # unformatted: a row of numbers, not one a line
@@ -257,6 +261,7 @@ class Feed(_StrEnum):
     POOL_USAGE = "pool_usage"  # the last pool reading: used and free slots
     POOL_LIMIT = "pool_limit"  # the last pool reading: capacity
     CAPACITY = "capacity"  # the capacity estimator's last curve per tier (otel_hicache.capacity)
+    CAPACITY_WARMTH = "capacity_warmth"  # what that curve rests on: lookups (decayed) and sampled pages
 
 
 #: In a row's ``seeds``: the pools a telemetry pre-seeds (``HiCacheTelemetry(pools=...)``; SGLang pre-seeds ``kv``).
@@ -419,6 +424,22 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
         "inf: the ceiling, all but first-time tokens), from sampled reuse distances of the prefix lookups.",
         (ATTR_TIER, ATTR_CAPACITY_FACTOR),
         feed=Feed.CAPACITY,
+    ),
+    InstrumentSpec(
+        METRIC_CAPACITY_LOOKUPS,
+        "observable_gauge",
+        UNIT_LOOKUP,
+        "Prefix lookups behind the tier's capacity curve, halved every 10,000 (how warm the curve is).",
+        (ATTR_TIER,),
+        feed=Feed.CAPACITY_WARMTH,
+    ),
+    InstrumentSpec(
+        METRIC_CAPACITY_SAMPLED_PAGES,
+        "observable_gauge",
+        UNIT_PAGE,
+        "Pages the capacity estimator behind the tier's curve samples now (at most 8,192).",
+        (ATTR_TIER,),
+        feed=Feed.CAPACITY_WARMTH,
     ),
     InstrumentSpec(
         METRIC_RECORDS_REJECTED,

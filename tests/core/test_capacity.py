@@ -25,6 +25,7 @@ from otel_hicache._internal.shared.ids import ARENA_BYTES
 from otel_hicache.capacity import (
     ERROR_BOUND,
     FOOTPRINT_BYTES,
+    HALF_LIFE_LOOKUPS,
     MAX_SAMPLED_KEYS,
     PACE_PAGES,
     SIMULATION_BYTES,
@@ -44,15 +45,18 @@ Lookup = tuple[Sequence[Hashable], int]
 
 def exact_lru(lookups: Sequence[Lookup], pages: int) -> float:
     """Share of prompt tokens an LRU cache of ``pages`` pages serves: the hit is the longest cached prefix, then the
-    request's pages are cached (evicting the least recently used)."""
+    request's pages are cached (evicting the least recently used). Each lookup weighs what the model's halvings leave
+    of it (:data:`HALF_LIFE_LOOKUPS`): half for every halving after it."""
     lru: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
-    hits = total = 0
-    for keys, tokens in lookups:
-        total += tokens
+    hits = total = 0.0
+    halvings = len(lookups) // HALF_LIFE_LOOKUPS
+    for i, (keys, tokens) in enumerate(lookups):
+        weight = 0.5 ** (halvings - i // HALF_LIFE_LOOKUPS)
+        total += tokens * weight
         for key in keys:
             if key not in lru:
                 break
-            hits += PAGE
+            hits += PAGE * weight
         for key in reversed(keys):
             lru[key] = None
             lru.move_to_end(key)
@@ -389,6 +393,43 @@ class TestTheBound:
         assert model.sampled_keys == MAX_SAMPLED_KEYS  # sampling at ~10 %: the popular pages matter most
         for pages in (1_000, 10_000, 50_000):
             assert model.hit_ratio(pages) == pytest.approx(exact_lru(lookups, pages), abs=ERROR_BOUND), pages
+
+
+class TestWarmthAndChange:
+    def test_a_changed_workload_is_followed_within_three_half_lives(self) -> None:
+        """A cyclic scan of 20 pages (an LRU of 32 serves it all) then one of 60 (an LRU of 32 serves none): three
+        half-lives later the old scan weighs an eighth, and the curve is within that of the new scan's own."""
+        old = [([page], PAGE) for _ in range(HALF_LIFE_LOOKUPS // 20) for page in range(20)]
+        new = [([1_000 + page], PAGE) for _ in range(3 * HALF_LIFE_LOOKUPS // 60 + 1) for page in range(60)]
+        new = new[: 3 * HALF_LIFE_LOOKUPS]
+        changed, alone = model_of(old + new), model_of(new)
+        assert model_of(old).hit_ratio(32) == pytest.approx(1.0, abs=0.01)
+        assert alone.hit_ratio(32) == 0.0
+        assert changed.hit_ratio(32) <= 1 / 8 + ERROR_BOUND  # without the halvings: a quarter (10,000 of 40,000)
+        assert changed.hit_ratio(64) == pytest.approx(alone.hit_ratio(64), abs=1 / 8 + ERROR_BOUND)
+
+    def test_the_curve_says_how_many_lookups_and_sampled_pages_it_rests_on(self) -> None:
+        model = model_of([([page % 50], PAGE) for page in range(HALF_LIFE_LOOKUPS - 1)])
+        (curve,) = model.curve([TierCapacity(Tier.DEVICE, 8 * PAGE)]).values()
+        assert (curve.lookups, curve.sampled_pages) == (HALF_LIFE_LOOKUPS - 1, 50)
+        model.access([7], PAGE)  # the lookup that completes a half-life halves every weight, this one's included
+        (curve,) = model.curve([TierCapacity(Tier.DEVICE, 8 * PAGE)]).values()
+        assert curve.lookups == HALF_LIFE_LOOKUPS // 2
+
+    def test_its_warmth_is_exported_per_tier_beside_the_curve(self) -> None:
+        sdk = make_sdk(spans=False)
+        try:
+            feed = sdk.telemetry.capacity_feed(
+                PAGE, [TierCapacity(Tier.DEVICE, 2 * PAGE), TierCapacity(Tier.HOST, 4 * PAGE)]
+            )
+            for keys in ([1], [2], [3], [1], [2]):
+                feed.put((next(feed.seq), keys, PAGE))
+            lookups = sdk.points(sc.METRIC_CAPACITY_LOOKUPS)
+            pages = sdk.points(sc.METRIC_CAPACITY_SAMPLED_PAGES)
+        finally:
+            sdk.shutdown()
+        assert {dict(k)[sc.ATTR_TIER]: p.value for k, p in lookups.items()} == {"device": 5, "host": 5}
+        assert {dict(k)[sc.ATTR_TIER]: p.value for k, p in pages.items()} == {"device": 3, "host": 3}
 
 
 def test_the_export_process_exports_the_curve_over_otlp_from_the_shared_table() -> None:

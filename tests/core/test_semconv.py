@@ -7,7 +7,7 @@ import re
 from otel_hicache import semconv as sc
 
 NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
-UCUM = {"s", "By", "{token}", "{transfer}", "{record}", "{mismatch}", "1"}
+UCUM = {"s", "By", "{token}", "{transfer}", "{record}", "{mismatch}", "{lookup}", "{page}", "1"}
 
 
 def test_instrument_names_are_dotted_lowercase_with_ucum_units_and_unique() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from otel_hicache.capacity import WARM_LOOKUPS
 from tests.pipeline.support import CONFIG, DASHBOARD, RULES, needs
 
 pytestmark = pytest.mark.prometheus
@@ -196,3 +197,16 @@ def test_the_dashboards_memory_and_prefill_panel_shows_rules_the_unit_tests_chec
         if f'hicache_tier="{tier}"' in sample["labels"] and sample["value"] > 0
     }
     assert {(rule, tier) for rule in rules for tier in ("device", "host")} <= checked
+
+
+def test_the_capacity_alerts_wait_for_as_many_lookups_as_the_model_calls_warm() -> None:
+    """Both capacity alerts read a curve only with ``WARM_LOOKUPS`` behind it (the unit tests: a cold process with an
+    undersized and an oversized tier raises neither)."""
+    rules = {
+        rule["alert"]: rule["expr"]
+        for group in yaml.safe_load((CONFIG / "rules" / "hicache.rules.yml").read_text())["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    }
+    for alert in ("HiCacheTierUndersized", "HiCacheTierOversized"):
+        assert f"(hicache_capacity_lookups) >= {WARM_LOOKUPS})" in rules[alert], alert

@@ -72,6 +72,7 @@ class Emitter:
             sc.Feed.POOL_USAGE: Emitter._usage,
             sc.Feed.POOL_LIMIT: Emitter._limit,
             sc.Feed.CAPACITY: Emitter._capacity,
+            sc.Feed.CAPACITY_WARMTH: Emitter._warmth,
         }
         for spec in sc.INSTRUMENTS:
             if spec.unit == sc.UNIT_TOKEN and not token_metrics:
@@ -126,8 +127,15 @@ class Emitter:
     def _capacity(self, name: str) -> list[Observation]:
         return [
             Observation(ratio, {sc.ATTR_TIER: tier, sc.ATTR_CAPACITY_FACTOR: factor})
-            for tier, _, ratios in self._counters.capacity()
-            for factor, ratio in ratios.items()
+            for tier, reading in self._counters.capacity()
+            for factor, ratio in zip(sc.CAPACITY_FACTORS, reading.ratios, strict=True)
+        ]
+
+    def _warmth(self, name: str) -> list[Observation]:
+        lookups = name == sc.METRIC_CAPACITY_LOOKUPS
+        return [
+            Observation(reading.lookups if lookups else reading.sampled_pages, {sc.ATTR_TIER: tier})
+            for tier, reading in self._counters.capacity()
         ]
 
     # ------------------------------------------------------------------ records

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import time
 
+from otel_hicache._internal.shared.accumulation import CapacityReading
 from otel_hicache._internal.shared.channel import Channel
 from otel_hicache._internal.shared.ids import IdRing, TierRow
 from otel_hicache.capacity import CapacityModel, TierCapacity, page_keys
-from otel_hicache.semconv import CAPACITY_FACTORS, Tier
+from otel_hicache.semconv import Tier
 
 #: How often the curve is written (the host's pool reading, which sizes some tiers, has the same pace).
 PUBLISH_INTERVAL_S = 1.0
@@ -74,7 +75,7 @@ class RingEstimator:
             self._limits = limits
             model.simulate(self._tiers, limits)
         curve = model.curve(self._tiers, limits)
-        counters.set_capacity({t: (c.tokens, [c.hit_ratio[f] for f in CAPACITY_FACTORS]) for t, c in curve.items()})
+        counters.set_capacity({t: CapacityReading.of(c) for t, c in curve.items()})
 
 
 def _tier(row: TierRow, pools: tuple[str, ...]) -> TierCapacity:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from otel_hicache import semconv as sc
 from otel_hicache._internal.host.validation import Drop, Eviction, Failure, Pools, Rejected, Transfer, Wait
-from otel_hicache._internal.shared.accumulation import HISTOGRAM_BUCKETS, HISTOGRAM_SUM, Key, Layout
+from otel_hicache._internal.shared.accumulation import HISTOGRAM_BUCKETS, HISTOGRAM_SUM, CapacityReading, Key, Layout
 from otel_hicache._internal.shared.channel import Channel
 from otel_hicache.semconv import PrefillMode, Problem, RecordKind
 
@@ -218,8 +218,8 @@ class Tally:
         for problem in refused:
             self.warn_once(RecordKind.POOL_USAGE, problem, "pool-usage source skipped")
 
-    def capacity(self, curves: dict[str, tuple[int, list[float]]]) -> None:
-        """Replace the capacity curves with one complete reading: ``tier -> (tokens, ratio per factor)``."""
+    def capacity(self, curves: dict[str, CapacityReading]) -> None:
+        """Replace the capacity curves with one complete reading by tier."""
         with self.lock:
             self.channel.counters.set_capacity(curves)
 

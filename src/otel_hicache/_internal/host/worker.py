@@ -39,11 +39,12 @@ from otel_hicache._internal.host.counting import Tally
 from otel_hicache._internal.host.deferred import Build, DeferredQueue
 from otel_hicache._internal.host.pacing import SLICE_NS
 from otel_hicache._internal.host.validation import Rejected
+from otel_hicache._internal.shared.accumulation import CapacityReading
 from otel_hicache._internal.shared.channel import Channel
 from otel_hicache._internal.shared.ids import ARENA_BYTES, IdRing, TierRow
 from otel_hicache.capacity import CapacityFeed
 from otel_hicache.records import PoolUsage, TransferRecord
-from otel_hicache.semconv import CAPACITY_FACTORS, OTHER_POOL, Problem, RecordKind, Tier
+from otel_hicache.semconv import OTHER_POOL, Problem, RecordKind, Tier
 
 #: The pause after a busy round: the scheduler thread runs undisturbed at least this long. Every round costs the
 #: scheduler thread beyond the round itself (a hand-over of the GIL, caches it finds cold), so fewer rounds cost it
@@ -360,7 +361,7 @@ class HostWorker:
             return
         try:
             limits = {(tier, pool): limit for tier, pool, _, limit in self.channel.counters.pools()}
-            curves = {t: (c.tokens, [c.hit_ratio[f] for f in CAPACITY_FACTORS]) for t, c in feed.curve(limits).items()}
+            curves = {t: CapacityReading.of(c) for t, c in feed.curve(limits).items()}
         except Exception:  # the model is ours: a bug, never the host's problem
             _log.debug("otel_hicache: reading the capacity curve failed", exc_info=True)
             return

@@ -17,7 +17,7 @@ import itertools
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from otel_hicache import semconv as sc
 
@@ -26,11 +26,29 @@ Key = tuple[Any, ...]  # attribute values in the instrument's attribute order; N
 #: Gauge slots per (tier, pool): used, limit, and whether any source reported the pool in the last reading.
 GAUGE_USED, GAUGE_LIMIT, GAUGE_PRESENT = 0, 1, 2
 _GAUGE_WIDTH = 3
-#: Capacity slots per tier: whether a curve is reported, today's capacity in tokens, then the predicted hit ratio at
-#: each factor of ``semconv.CAPACITY_FACTORS``, in parts per :data:`RATIO_SCALE` (the table holds integers).
-CAPACITY_PRESENT, CAPACITY_TOKENS, CAPACITY_RATIOS = 0, 1, 2
+#: Capacity slots per tier: whether a curve is reported, today's capacity in tokens, the lookups and sampled pages
+#: behind it, then the predicted hit ratio at each factor of ``semconv.CAPACITY_FACTORS``, in parts per
+#: :data:`RATIO_SCALE` (the table holds integers).
+CAPACITY_PRESENT, CAPACITY_TOKENS, CAPACITY_LOOKUPS, CAPACITY_SAMPLED, CAPACITY_RATIOS = 0, 1, 2, 3, 4
 _CAPACITY_WIDTH = CAPACITY_RATIOS + len(sc.CAPACITY_FACTORS)
 RATIO_SCALE = 1_000_000_000
+
+
+class CapacityReading(NamedTuple):
+    """One tier's curve as the table holds it: capacity today, its warmth, and the ratio per factor (in the order of
+    ``semconv.CAPACITY_FACTORS``)."""
+
+    tokens: int
+    lookups: int
+    sampled_pages: int
+    ratios: Sequence[float]
+
+    @classmethod
+    def of(cls, curve: Any) -> CapacityReading:
+        """From a :class:`~otel_hicache.capacity.TierCurve`."""
+        return cls(curve.tokens, curve.lookups, curve.sampled_pages, [curve.hit_ratio[f] for f in sc.CAPACITY_FACTORS])
+
+
 #: A histogram series' block: the sum at its first slot, the bucket counts from the next one on.
 HISTOGRAM_SUM, HISTOGRAM_BUCKETS = 0, 1
 
@@ -186,24 +204,30 @@ class Counters:
         ]
 
     # ------------------------------------------------------------------ capacity curves
-    def set_capacity(self, curves: Mapping[str, tuple[int, Sequence[float]]]) -> None:
-        """Replace the capacity block with one complete reading: ``tier -> (tokens, ratio per factor)``."""
+    def set_capacity(self, curves: Mapping[str, CapacityReading]) -> None:
+        """Replace the capacity block with one complete reading by tier."""
         ints = self.ints
         for tier, base in self.layout.capacity.items():
-            tokens, ratios = curves.get(tier, (0, ()))
+            tokens, lookups, sampled, ratios = curves.get(tier, (0, 0, 0, ()))
             ints[base + CAPACITY_TOKENS] = tokens
+            ints[base + CAPACITY_LOOKUPS] = lookups
+            ints[base + CAPACITY_SAMPLED] = sampled
             for i in range(len(sc.CAPACITY_FACTORS)):
                 ints[base + CAPACITY_RATIOS + i] = round(ratios[i] * RATIO_SCALE) if i < len(ratios) else 0
             ints[base + CAPACITY_PRESENT] = tier in curves
 
-    def capacity(self) -> list[tuple[str, int, dict[str, float]]]:
-        """``(tier, tokens, ratio by factor)`` of every tier in the last reading."""
+    def capacity(self) -> list[tuple[str, CapacityReading]]:
+        """``(tier, reading)`` of every tier in the last reading."""
         ints = self.ints
         return [
             (
                 tier,
-                ints[base + CAPACITY_TOKENS],
-                {f: ints[base + CAPACITY_RATIOS + i] / RATIO_SCALE for i, f in enumerate(sc.CAPACITY_FACTORS)},
+                CapacityReading(
+                    ints[base + CAPACITY_TOKENS],
+                    ints[base + CAPACITY_LOOKUPS],
+                    ints[base + CAPACITY_SAMPLED],
+                    [ints[base + CAPACITY_RATIOS + i] / RATIO_SCALE for i in range(len(sc.CAPACITY_FACTORS))],
+                ),
             )
             for tier, base in self.layout.capacity.items()
             if ints[base + CAPACITY_PRESENT]
