@@ -118,12 +118,19 @@ class Stepper:
         return headers
 
 
-def stepper(cpu_chunks: int = 16, tracing: bool = False, deferred_loads: bool = False, **extra: Any) -> Stepper:
+def stepper(
+    cpu_chunks: int = 16,
+    tracing: bool = False,
+    deferred_loads: bool = False,
+    groups: tuple[Any, ...] = (support.ATTENTION,),
+    **extra: Any,
+) -> Stepper:
     """An engine whose CPU tier holds ``cpu_chunks`` blocks; ``extra``: more ``kv_connector_extra_config`` (e.g.
     ``sync_load_budget_bytes``); ``tracing``: vLLM's request tracing on (an endpoint nothing listens on: the tracing
     level reads what the engine core sends back, not an export); ``deferred_loads``: vLLM >= 0.33 defers an async
-    load admitted while a step is in flight until that step's output is in (see :meth:`Stepper.execute`)."""
-    config, kv_cache_config = support.vllm_config(cpu_chunks)
+    load admitted while a step is in flight until that step's output is in (see :meth:`Stepper.execute`); ``groups``:
+    the KV cache groups (:func:`.support.vllm_config`: two for a hybrid model)."""
+    config, kv_cache_config = support.vllm_config(cpu_chunks, groups=groups)
     assert config.kv_transfer_config is not None
     config.kv_transfer_config.kv_connector_extra_config.update(extra)
     config.cache_config.enable_prefix_caching = True

@@ -14,7 +14,7 @@ What the model assumes of vLLM (``docs/vllm.md``):
 
 * the device tier is vLLM's GPU prefix cache, an LRU over its free blocks (a finished request's blocks are freed last
   block first, so a prefix outlives its extensions), of ``num_gpu_blocks - 1`` blocks (the null block excluded), for
-  a KV cache of one group (full attention; a hybrid model's groups are not modelled: no curve);
+  a KV cache of one group (full attention; a hybrid model's groups are not modelled: no curve, one info line);
 * the host tier is the CPU offloading tier, of its size in chunks (its ``hicache.pool.limit``, read at each
   collection), inclusive: vLLM offers every full block of every request to it, and its LRU (the CPU spec's default
   ``eviction_policy``) touches a request's chunks last chunk first when the request finishes. A CPU tier of another
@@ -64,7 +64,12 @@ class CapacityHooks(AdmissionHooks):
         prefixes or has several KV cache groups."""
         groups = manager.kv_cache_config.kv_cache_groups
         telemetry = self._sink(None)
-        if telemetry is None or not manager.enable_caching or len(groups) != 1:
+        if telemetry is None or not manager.enable_caching:
+            return None
+        if len(groups) != 1:  # a hybrid model: each group keeps and evicts its own blocks, which one LRU does not model
+            message = "otel_hicache: vLLM's KV cache has %d KV cache groups (a hybrid model); %s models one: no points."
+            say = _log.info if ONCE.first("capacity-groups") else _log.debug
+            say(message, len(groups), METRIC_CAPACITY_HIT_RATIO)
             return None
         block_tokens = int(groups[0].kv_cache_spec.block_size)
         tiers = [TierCapacity(Tier.DEVICE, (int(manager.block_pool.num_gpu_blocks) - 1) * block_tokens)]
