@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -260,3 +261,28 @@ def test_requests_in_other_cache_namespaces_share_no_page(cpu_sglang: Any) -> No
         assert not set(plain) & set(salted)
         assert keys(tokens, "salt", page) == salted
         assert keys(tokens[: 10 * page], "salt", page) == salted[:10]
+
+
+def test_a_hybrid_models_tree_gets_no_curve_and_one_info_line(
+    instrumented: Sdk, one_thread: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tree that keeps sliding-window state beside its KV (SGLang's SWA hybrid cache, its real classes serving the
+    documents workload) is not what the model describes: no points rather than a curve of the wrong cache."""
+    prompts = list(itertools.islice(documents(seed=7, count=12), 40))
+    with caplog.at_level(logging.INFO, logger="otel_hicache"):
+        for _ in range(2):  # said once per process
+            with serving_hybrid() as served:
+                served.serve(prompts)
+                assert served.split.device_hit > 0  # the hybrid tree served prefixes
+                assert predictions(instrumented) == {}
+    said = [r.getMessage() for r in caplog.records if sc.METRIC_CAPACITY_HIT_RATIO in r.getMessage()]
+    assert len(said) == 1 and "swa" in said[0] and "no points" in said[0]
+
+
+@contextlib.contextmanager
+def serving_hybrid() -> Iterator[Served]:
+    served = Served("write_through", 2048, 4096, page_size=1, hybrid_swa=True)  # SGLang's SWA allocator: 1-token pages
+    try:
+        yield served
+    finally:
+        served.close()

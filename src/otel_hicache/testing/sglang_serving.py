@@ -25,16 +25,25 @@ class Served:
     :attr:`split` sums SGLang's own tier split of every admission."""
 
     def __init__(
-        self, write_policy: str, device_tokens: int, host_tokens: int, page_size: int = 1, max_context: int = 4096
+        self,
+        write_policy: str,
+        device_tokens: int,
+        host_tokens: int,
+        page_size: int = 1,
+        max_context: int = 4096,
+        hybrid_swa: bool = False,
     ) -> None:
         """``host_tokens``: the host pool's size as SGLang sizes it from ``--hicache-ratio`` (rounded to pages, plus
-        its padding page); ``max_context``: the longest prompt."""
+        its padding page); ``max_context``: the longest prompt; ``hybrid_swa``: a hybrid model's tree, sliding-window
+        layers beside full attention (an SWA pool beside the KV pool)."""
         self.cache, self.allocator, self.req_to_token_pool = build_hicache(
             write_policy,
             kv_size=device_tokens,
             page_size=page_size,
             hicache_ratio=host_tokens / device_tokens,
             max_context=max_context,
+            hybrid_swa=hybrid_swa,
+            num_layers=4 if hybrid_swa else 2,
         )
         self.split = PrefixSplit(0, 0, 0, 0)
         self._served = 0

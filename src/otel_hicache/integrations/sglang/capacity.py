@@ -22,6 +22,8 @@ What the model assumes of SGLang (``docs/sglang.md``):
   device evicted under ``write_back`` (exclusive, ``reclaims_copies``: SGLang frees the host copy of a page the device
   holds again, ``_update_duplicate_tracking`` in its tree core, so device and host are one LRU of their summed size);
 * the storage tier (L3) is not modelled;
+* the tree keeps KV only: a hybrid model's tree (sliding-window or mamba state beside the KV, ``is_swa_enabled`` /
+  ``is_mamba_enabled``) gets no curve, with one info line;
 * one SGLang page is one model page; a prompt's last page counts as a possible hit (SGLang recomputes a prompt's
   last token: off by one page for a prompt repeated exactly).
 
@@ -31,14 +33,18 @@ Like every token-counted instrument, the curve is reported by one rank of each a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Iterable
 from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity, page_keys
-from otel_hicache.integrations._base import CapacityFeeder
-from otel_hicache.semconv import Tier
+from otel_hicache.integrations._base import ONCE, CapacityFeeder
+from otel_hicache.semconv import METRIC_CAPACITY_HIT_RATIO, Tier
 
 _WRITE_BACK = "write_back"
+#: A hybrid model's tree: (the state it keeps beside the KV, the tree's flag for it).
+_HYBRID = (("swa", "is_swa_enabled"), ("mamba", "is_mamba_enabled"))
+_log = logging.getLogger(__name__)
 #: Marks a request some batch has listed (on SGLang's ``Req``, which goes when the request does).
 _SEEN = "_otel_hicache_admitted"
 
@@ -68,12 +74,19 @@ class CapacityHooks(CapacityFeeder):
 
     def _feed_for(self, adder: Any) -> CapacityFeed | None:
         """At the first admission: the estimator over this scheduler's tree, its tiers read from SGLang's pools;
-        none where the process reports no tokens or the tree has no HiCache."""
+        none where the process reports no tokens, the tree has no HiCache or is a hybrid model's."""
         ranks = self._ranks
         telemetry = self._sink()
         cache = adder.tree_cache
         controller = getattr(cache, "cache_controller", None)
         if telemetry is None or controller is None or (ranks is not None and not ranks().token_metrics):
+            return None
+        hybrid = [kind for kind, flag in _HYBRID if getattr(cache, flag, False)]
+        if hybrid:  # its state pools hold and evict by rules of their own, which one LRU of KV pages does not model
+            message = "otel_hicache: SGLang's radix tree keeps %s state beside its KV (a hybrid model); %s models a KV "
+            message += "tree: no points."
+            say = _log.info if ONCE.first("capacity-hybrid") else _log.debug
+            say(message, " and ".join(hybrid), METRIC_CAPACITY_HIT_RATIO)
             return None
         write_back = controller.write_policy == _WRITE_BACK
         tiers = (
