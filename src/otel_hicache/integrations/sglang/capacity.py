@@ -18,9 +18,10 @@ What the model assumes of SGLang (``docs/sglang.md``):
   (``token_to_kv_pool_allocator.size``, tokens): a request's pages are touched last page first, so a prefix outlives
   its extensions as a radix node outlives its children;
 * the host tier, of the host KV pool's size (its ``hicache.pool.limit``, read at each collection), holds what the device
-  holds under the write-through policies (``write_through``, ``write_through_selective``: inclusive) and what the
-  device evicted under ``write_back`` (exclusive, ``reclaims_copies``: SGLang frees the host copy of a page the device
-  holds again, ``_update_duplicate_tracking`` in its tree core, so device and host are one LRU of their summed size);
+  holds under ``write_through`` (inclusive) and what the device evicted under ``write_back`` (exclusive,
+  ``reclaims_copies``: SGLang frees the host copy of a page the device holds again, ``_update_duplicate_tracking`` in
+  its tree core, so device and host are one LRU of their summed size). Under ``write_through_selective`` it holds only
+  what the device hit twice (its backup threshold): not modelled, no host points, one info line;
 * the storage tier (L3) is not modelled;
 * the tree keeps KV only: a hybrid model's tree (sliding-window or mamba state beside the KV, ``is_swa_enabled`` /
   ``is_mamba_enabled``) gets no curve, with one info line;
@@ -42,6 +43,8 @@ from otel_hicache.integrations._base import ONCE, CapacityFeeder
 from otel_hicache.semconv import METRIC_CAPACITY_HIT_RATIO, Tier
 
 _WRITE_BACK = "write_back"
+#: Host write policies the model does not follow, and what the host then holds.
+_HOST_UNMODELLED = {"write_through_selective": "twice (its backup threshold)"}
 #: A hybrid model's tree: (the state it keeps beside the KV, the tree's flag for it).
 _HYBRID = (("swa", "is_swa_enabled"), ("mamba", "is_mamba_enabled"))
 _log = logging.getLogger(__name__)
@@ -88,11 +91,16 @@ class CapacityHooks(CapacityFeeder):
             say = _log.info if ONCE.first("capacity-hybrid") else _log.debug
             say(message, " and ".join(hybrid), METRIC_CAPACITY_HIT_RATIO)
             return None
-        write_back = controller.write_policy == _WRITE_BACK
-        tiers = (
-            TierCapacity(Tier.DEVICE, int(adder.token_to_kv_pool_allocator.size)),
-            TierCapacity(Tier.HOST, None, inclusive=not write_back, reclaims_copies=write_back),
-        )
+        policy = controller.write_policy
+        write_back = policy == _WRITE_BACK
+        tiers = [TierCapacity(Tier.DEVICE, int(adder.token_to_kv_pool_allocator.size))]
+        if policy in _HOST_UNMODELLED:  # the device tier holds what it holds whatever the host keeps
+            message = "otel_hicache: SGLang's host tier under %s holds only what the device hit %s; %s does not model "
+            message += "it: no host points."
+            say = _log.info if ONCE.first(f"capacity-policy:{policy}") else _log.debug
+            say(message, policy, _HOST_UNMODELLED[policy], METRIC_CAPACITY_HIT_RATIO)
+        else:
+            tiers.append(TierCapacity(Tier.HOST, None, inclusive=not write_back, reclaims_copies=write_back))
         page = int(cache.page_size)
         return telemetry.capacity_feed(page, tiers)
 
