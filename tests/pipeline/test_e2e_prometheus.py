@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from otel_hicache.capacity import WARM_LOOKUPS
 from otel_hicache.testing.otlp_receiver import OtlpReceiver
 from tests.pipeline.support import DASHBOARD, RULES, Prometheus
 
@@ -56,6 +57,11 @@ RULE_LABELS: dict[str, set[str]] = {
     "HiCacheLoadSlowerThanRecompute": {"hicache_engine", "hicache_operation"},
     "hicache:capacity_hit_ratio:gain_2x": {"job", "instance", "hicache_tier"},
     "hicache:capacity_hit_ratio:loss_half": {"job", "instance", "hicache_tier"},
+    "hicache:kv_bytes_per_token:rate1h": {"hicache_engine"},
+    "hicache:capacity_memory_bytes:gain_2x": {"job", "instance", "hicache_tier", "hicache_engine"},
+    "hicache:capacity_memory_bytes:loss_half": {"job", "instance", "hicache_tier", "hicache_engine"},
+    "hicache:capacity_prefill_seconds_per_second:gain_2x": {"job", "instance", "hicache_tier", "hicache_engine"},
+    "hicache:capacity_prefill_seconds_per_second:loss_half": {"job", "instance", "hicache_tier", "hicache_engine"},
     "HiCacheTierUndersized": {"job", "instance", "hicache_tier"},
     "HiCacheTierOversized": {"job", "instance", "hicache_tier"},
 }
@@ -67,7 +73,16 @@ BANDWIDTH_PANEL = 3
 #: the promtool tests in rules/hicache.rules.test.yml evaluate them for each engine; here the rule is evaluated
 #: (health ok) and the alert is checked on the live load seconds with a stand-in recompute cost.
 RECOMPUTE = "hicache:engine_prefill_seconds_per_token:rate5m"
-RECOMPUTE_RULES = {RECOMPUTE, "HiCacheLoadSlowerThanRecompute"}
+RECOMPUTE_RULES = {
+    RECOMPUTE,
+    "HiCacheLoadSlowerThanRecompute",
+    "hicache:capacity_prefill_seconds_per_second:gain_2x",
+    "hicache:capacity_prefill_seconds_per_second:loss_half",
+}
+#: Alerts that wait for a warm capacity curve (WARM_LOOKUPS lookups behind it), which the short demo run is not:
+#: checked with the demo's own warmth standing in (test_the_capacity_alerts_read_the_live_curves_warmth).
+WARM = f"(hicache_capacity_lookups) >= {WARM_LOOKUPS})"
+WARM_RULES = {"HiCacheTierUndersized", "HiCacheTierOversized"}
 #: Grafana's variables, as the dashboard would expand them with "All" selected.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$job": ".+", "$instance": ".+"}
 
@@ -171,7 +186,7 @@ def test_every_rule_is_known_to_this_test_and_evaluates_without_error(live_demo:
             assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
 
 
-@pytest.mark.parametrize("name", sorted(set(RULE_LABELS) - BANDWIDTH_RULES - RECOMPUTE_RULES))
+@pytest.mark.parametrize("name", sorted(set(RULE_LABELS) - BANDWIDTH_RULES - RECOMPUTE_RULES - WARM_RULES))
 def test_rule_returns_data_with_its_labels(live_demo: Prometheus, name: str) -> None:
     assert_rule_returns_data_with_its_labels(live_demo, name)
 
@@ -216,7 +231,7 @@ def panel_targets(bandwidth: bool = False) -> list[tuple[str, str, str]]:
         (p["title"], t["expr"], t.get("legendFormat", ""))
         for p in dashboard["panels"]
         for t in p.get("targets", [])
-        if (p["id"] == BANDWIDTH_PANEL) == bandwidth and RECOMPUTE not in t["expr"]
+        if (p["id"] == BANDWIDTH_PANEL) == bandwidth and not any(rule in t["expr"] for rule in RECOMPUTE_RULES)
     ]
 
 
@@ -287,6 +302,41 @@ def test_load_slower_than_recompute_matches_the_live_loads_by_engine(live_demo: 
     assert [(s["metric"]["hicache_operation"], s["value"][1]) for s in fast] == [("load_back", "1")]  # firing
     slow = assert_rule_returns_data_with_its_labels(live_demo, name, **recompute_costs("1e3"))
     assert [s["value"][1] for s in slow] == ["0"]  # loading beats a 1,000 s recompute
+
+
+def test_the_curve_in_memory_and_prefill_seconds_follows_the_live_pools_and_traffic(live_demo: Prometheus) -> None:
+    """Doubling a tier takes its kv pool's limit times the bytes the demo's transfers move per kv token (every
+    pool's), halving frees half; the prefill seconds are the points gained times the prompt tokens per second times a
+    recompute cost for the demo's engine (standing in for the engine's own prefill timing, which the demo lacks)."""
+    (per_token,) = live_demo.query("hicache:kv_bytes_per_token:rate1h")
+    assert float(per_token["value"][1]) > 1024  # the demo's kv pool keeps 1 KiB per token; sidecar and state add
+    kv_limits = live_demo.query('hicache_pool_limit{hicache_pool="kv"}')
+    limits = {s["metric"]["hicache_tier"]: float(s["value"][1]) for s in kv_limits}
+    for rule, factor in (("gain_2x", 1.0), ("loss_half", 0.5)):
+        memory = live_demo.query(f"hicache:capacity_memory_bytes:{rule}")
+        assert {s["metric"]["hicache_tier"] for s in memory} == {"device", "host"}
+        for s in memory:
+            expected = factor * limits[s["metric"]["hicache_tier"]] * float(per_token["value"][1])
+            assert float(s["value"][1]) == pytest.approx(expected, rel=0.1), rule  # two reads a scrape apart
+    cost = {RECOMPUTE: 'label_replace(vector(2e-5), "hicache_engine", "reference", "", "")'}
+    for rule in ("gain_2x", "loss_half"):
+        saved = assert_rule_returns_data_with_its_labels(
+            live_demo, f"hicache:capacity_prefill_seconds_per_second:{rule}", **cost
+        )
+        assert {s["metric"]["hicache_tier"] for s in saved} == {"device", "host"}
+        assert all(float(s["value"][1]) >= 0 for s in saved)  # a gain and a loss in points, both >= 0
+
+
+def test_the_capacity_alerts_read_the_live_curves_warmth(live_demo: Prometheus) -> None:
+    """The demo exports how many lookups each tier's curve rests on; the capacity alerts keep their labels when the
+    warmth they wait for is the one the demo has reached."""
+    warmth = {s["metric"]["hicache_tier"]: float(s["value"][1]) for s in live_demo.query("hicache_capacity_lookups")}
+    assert set(warmth) == {"device", "host"} and 0 < min(warmth.values())
+    pages = live_demo.query("hicache_capacity_sampled_pages")
+    assert {s["metric"]["hicache_tier"] for s in pages} == {"device", "host"}
+    for name in sorted(WARM_RULES):
+        reached = f"(hicache_capacity_lookups) >= {min(warmth.values())})"
+        assert_rule_returns_data_with_its_labels(live_demo, name, **{WARM: reached})
 
 
 def test_the_template_variables_list_the_demo(live_demo: Prometheus) -> None:
