@@ -70,7 +70,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from otel_hicache import semconv as sc
-from otel_hicache.integrations._once import ONCE, hook_failed, warn_once
+from otel_hicache.integrations._once import ONCE, hook_failed, inform_once, warn_once
 from otel_hicache.integrations._patching import (
     AdapterSwitch,
     Patching,
@@ -111,6 +111,7 @@ __all__ = [
     "checks_suppression",
     "disabled",
     "hook_failed",
+    "inform_once",
     "load_plugin",
     "suppressed",
     "trim",
@@ -217,7 +218,7 @@ class EngineInstrumentor(BaseInstrumentor):
                 # the shape check decides, target by target; the self-check says where the numbers disagree
                 message = "otel_hicache: %s: %s is newer than the tested %s; instrumenting it untested, by shape."
                 args = (self._engine, untested, ", ".join(self.instrumentation_dependencies()))
-                (_log.info if ONCE.first(f"untested:{self._engine}:{untested}") else _log.debug)(message, *args)
+                inform_once(f"untested:{self._engine}:{untested}", message, *args)
             elif conflict is not None:
                 found = conflict.found or ", ".join(conflict.found_any or ())
                 if not found and kwargs.get("skip_dep_check", False):

@@ -92,10 +92,13 @@ ONCE: Final = _Once()
 
 def warn_once(key: str, message: str, *args: Any, exc_info: bool = False) -> None:
     """Log ``message`` as a warning the first time ``key`` comes up in this process family; at debug level after."""
-    if ONCE.first(key):
-        _log.warning(message, *args, exc_info=exc_info)
-    else:
-        _log.debug(message, *args, exc_info=exc_info)
+    _log.log(logging.WARNING if ONCE.first(key) else logging.DEBUG, message, *args, exc_info=exc_info)
+
+
+def inform_once(key: str, message: str, *args: Any) -> None:
+    """Log ``message`` at info level the first time ``key`` comes up in this process family (something left out on
+    purpose, not a problem: an untested release, a tier the capacity model does not describe); at debug level after."""
+    _log.log(logging.INFO if ONCE.first(key) else logging.DEBUG, message, *args)
 
 
 def hook_failed(engine: str, hook: str) -> None:

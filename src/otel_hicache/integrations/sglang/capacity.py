@@ -34,12 +34,11 @@ Like every token-counted instrument, the curve is reported by one rank of each a
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Hashable, Iterable
 from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity, page_keys
-from otel_hicache.integrations._base import ONCE, CapacityFeeder
+from otel_hicache.integrations._base import CapacityFeeder, inform_once
 from otel_hicache.semconv import METRIC_CAPACITY_HIT_RATIO, Tier
 
 _WRITE_BACK = "write_back"
@@ -47,7 +46,6 @@ _WRITE_BACK = "write_back"
 _HOST_UNMODELLED = {"write_through_selective": "twice (its backup threshold)"}
 #: A hybrid model's tree: (the state it keeps beside the KV, the tree's flag for it).
 _HYBRID = (("swa", "is_swa_enabled"), ("mamba", "is_mamba_enabled"))
-_log = logging.getLogger(__name__)
 #: Marks a request some batch has listed (on SGLang's ``Req``, which goes when the request does).
 _SEEN = "_otel_hicache_admitted"
 
@@ -88,8 +86,7 @@ class CapacityHooks(CapacityFeeder):
         if hybrid:  # its state pools hold and evict by rules of their own, which one LRU of KV pages does not model
             message = "otel_hicache: SGLang's radix tree keeps %s state beside its KV (a hybrid model); %s models a KV "
             message += "tree: no points."
-            say = _log.info if ONCE.first("capacity-hybrid") else _log.debug
-            say(message, " and ".join(hybrid), METRIC_CAPACITY_HIT_RATIO)
+            inform_once("capacity-hybrid", message, " and ".join(hybrid), METRIC_CAPACITY_HIT_RATIO)
             return None
         policy = controller.write_policy
         write_back = policy == _WRITE_BACK
@@ -97,8 +94,9 @@ class CapacityHooks(CapacityFeeder):
         if policy in _HOST_UNMODELLED:  # the device tier holds what it holds whatever the host keeps
             message = "otel_hicache: SGLang's host tier under %s holds only what the device hit %s; %s does not model "
             message += "it: no host points."
-            say = _log.info if ONCE.first(f"capacity-policy:{policy}") else _log.debug
-            say(message, policy, _HOST_UNMODELLED[policy], METRIC_CAPACITY_HIT_RATIO)
+            inform_once(
+                f"capacity-policy:{policy}", message, policy, _HOST_UNMODELLED[policy], METRIC_CAPACITY_HIT_RATIO
+            )
         else:
             tiers.append(TierCapacity(Tier.HOST, None, inclusive=not write_back, reclaims_copies=write_back))
         page = int(cache.page_size)

@@ -26,17 +26,15 @@ What the model assumes of vLLM (``docs/vllm.md``):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 from otel_hicache.capacity import CapacityFeed, TierCapacity
-from otel_hicache.integrations._base import ONCE, AdmissionHooks, ProcessSink, Ranks, Target
+from otel_hicache.integrations._base import AdmissionHooks, ProcessSink, Ranks, Target, inform_once
 from otel_hicache.semconv import METRIC_CAPACITY_HIT_RATIO, Tier
 
 #: The CPU tier's eviction policy the model follows (vLLM's default).
 MODELLED_POLICY = "lru"
-_log = logging.getLogger(__name__)
 
 #: The admission the estimator is fed from (wrapped by :meth:`CapacityHooks.admitted`).
 CAPACITY_TARGET = Target(
@@ -68,8 +66,7 @@ class CapacityHooks(AdmissionHooks):
             return None
         if len(groups) != 1:  # a hybrid model: each group keeps and evicts its own blocks, which one LRU does not model
             message = "otel_hicache: vLLM's KV cache has %d KV cache groups (a hybrid model); %s models one: no points."
-            say = _log.info if ONCE.first("capacity-groups") else _log.debug
-            say(message, len(groups), METRIC_CAPACITY_HIT_RATIO)
+            inform_once("capacity-groups", message, len(groups), METRIC_CAPACITY_HIT_RATIO)
             return None
         block_tokens = int(groups[0].kv_cache_spec.block_size)
         tiers = [TierCapacity(Tier.DEVICE, (int(manager.block_pool.num_gpu_blocks) - 1) * block_tokens)]
@@ -77,7 +74,7 @@ class CapacityHooks(AdmissionHooks):
         if unmodelled:
             message = "otel_hicache: vLLM's CPU tier evicts by %s; %s models %r only: no points for the host tier."
             args = (", ".join(repr(p) for p in unmodelled), METRIC_CAPACITY_HIT_RATIO, MODELLED_POLICY)
-            (_log.info if ONCE.first(f"capacity-policy:{unmodelled}") else _log.debug)(message, *args)
+            inform_once(f"capacity-policy:{unmodelled}", message, *args)
         else:
             tiers.append(TierCapacity(Tier.HOST, None))  # the CPU tier's reading, where there is one
         return telemetry.capacity_feed(block_tokens, tiers)
