@@ -6,7 +6,9 @@ set by the SGLang integration); every rank reports its own bytes and copy durati
 dashboard are read at test time (not copied), so the test follows their edits. Each query under test becomes a
 recording rule; promtool evaluates it over one input in which the 1-rank run (minutes 0-60) and the 2-rank run of the
 same workload (minutes 120-180, ranks ``rank0`` and ``rank1``) follow each other, and compares the query at 170m
-with itself ``offset 120m``: the same series with the same values, and not none.
+with itself ``offset 120m``: the same series with the same values, and not none. The rules of a tier's memory in bytes
+are the group's (bytes add up across ranks, each rank keeping its shard of every token): over 2 ranks that each move
+the 1-rank run's bytes they read twice the 1-rank run's value, and that is checked instead.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from tests.pipeline.support import DASHBOARD, RULES, needs
 pytestmark = pytest.mark.prometheus
 
 #: Series counted in tokens (Prometheus names): reported by one rank per TP group.
-TOKEN_SERIES = re.compile(r"hicache_(prefill|transfer|dropped|eviction)_tokens_total|hicache_pool_")
+TOKEN_SERIES = re.compile(r"hicache_(prefill|transfer|dropped|eviction)_tokens_total|hicache_pool_|hicache_capacity_")
+#: Rules (and dashboard queries over them) of a TP group's memory: bytes of every rank per logical token.
+GROUP_BYTES = ("hicache:kv_bytes_per_token:rate1h", "hicache:capacity_memory_bytes:")
 #: Shipped rules over token series (directly or through another rule) that must be under test.
 TOKEN_RULES = (
     "hicache:prefill_hit_ratio:rate5m",
@@ -55,6 +59,13 @@ GAUGES: list[tuple[str, float]] = [
     ('hicache_pool_usage{hicache_tier="host",hicache_pool="kv",hicache_slot_state="used"}', 500),
     ('hicache_pool_limit{hicache_tier="host",hicache_pool="kv"}', 1000),
     ('target_info{hicache_engine="sglang"}', 1),  # every process: the per-engine rules join it
+    ('hicache_pool_limit{hicache_tier="device",hicache_pool="kv"}', 500),
+    ('hicache_capacity_hit_ratio{hicache_tier="host",hicache_capacity_factor="0.5"}', 0.4),
+    ('hicache_capacity_hit_ratio{hicache_tier="host",hicache_capacity_factor="1"}', 0.5),
+    ('hicache_capacity_hit_ratio{hicache_tier="host",hicache_capacity_factor="2"}', 0.6),
+    ('hicache_capacity_hit_ratio{hicache_tier="device",hicache_capacity_factor="0.5"}', 0.2),
+    ('hicache_capacity_hit_ratio{hicache_tier="device",hicache_capacity_factor="1"}', 0.3),
+    ('hicache_capacity_hit_ratio{hicache_tier="device",hicache_capacity_factor="2"}', 0.45),
 ]
 PER_RANK_PER_MINUTE: list[tuple[str, float]] = [
     ('hicache_transfer_size_bytes_total{hicache_operation="backup"}', 4e6),
@@ -64,6 +75,9 @@ PER_RANK_PER_MINUTE: list[tuple[str, float]] = [
     ('hicache_transfer_duration_seconds_sum{hicache_operation="load_back"}', 0.2),  # each rank copies its shard
     ('hicache_wasted_size_bytes_total{hicache_operation="backup"}', 1e6),
     ('otel_sdk_processor_span_processed_total{error_type=""}', 20),
+    # SGLang's own prefill timing, from every scheduler rank (the recompute cost's rule sums them)
+    ('sglang:forward_execution_seconds_total{category="extend"}', 3),
+    ('sglang:realtime_tokens_total{mode="prefill_compute"}', 600),
 ]
 
 
@@ -122,6 +136,21 @@ def _promtool_test(tmp_path: Path, tokens_on_every_rank: bool) -> tuple[subproce
     (tmp_path / "dashboard.rules.yml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     checks = []
     for name in queries:
+        if any(rule in queries[name] or name.startswith(rule) for rule in GROUP_BYTES):
+            ratio = f"{name} / ({name} offset 120m)"
+            checks += [
+                {
+                    "expr": f"count({ratio} != 2) or vector(0)",
+                    "eval_time": "170m",
+                    "exp_samples": [{"labels": "{}", "value": 0}],
+                },
+                {
+                    "expr": f"count({ratio} == 2) > bool 0",
+                    "eval_time": "170m",
+                    "exp_samples": [{"labels": "{}", "value": 1}],
+                },
+            ]
+            continue
         checks += [
             {"expr": f"{name} != {name} offset 120m", "eval_time": "170m", "exp_samples": []},
             {"expr": f"{name} offset 120m != {name}", "eval_time": "170m", "exp_samples": []},
