@@ -69,10 +69,9 @@ Each tier is modelled by its policy over that one stream, at every factor ``x`` 
 faster tiers' effective size today ``E`` unchanged: the device is an LRU of ``x * C`` (the radix tree evicts its
 least recently used leaves); an inclusive tier an LRU of ``max(x * C, E)`` (it holds what the faster ones hold). A
 tier that reports free room ``F`` (pages, the mean of :meth:`CapacityFeed.report_free`) holds ``C - F`` today and is
-read at ``x * C - (1 + min(x, 1)) / 2 * F``: what a whole-node eviction frees beyond its need is the size of the
-nodes, not of the tier, so a bigger tier leaves the same room free and a smaller one between half and all of it (the
-re-runs measured 0.64 to 1.12 of today's room at 0.5x; an empirical rule, checked by
-the re-runs below; ``E`` counts the faster tiers' free room too). Left out, the reference cache's device is
+read at ``x * C - F``: what a whole-node eviction frees beyond its need is the size of the nodes, not of the tier, so
+a tier of any size leaves the same room free (the re-runs measured 0.8 to 1.2 of today's room at 0.5x; checked by the
+re-runs below; ``E`` counts the faster tiers' free room too). Left out, the reference cache's device is
 predicted 2.5 to 4 points above a re-run at 1x and 0.5x (``docs/capacity.md``). An
 exclusive tier is written when the faster ones evict. One that reclaims its copy of a page they load back
 (``reclaims_copies=True``, SGLang's ``write_back`` host) holds, with them, ``E + x * C`` distinct pages, the least
@@ -425,7 +424,7 @@ class CapacityModel:
                 if sim is not None:  # its own sample: never above the ceiling of the larger one
                     ratios[name] = min(self._share(sim.hits, sim.sampled), ceiling)
                 else:  # inclusive, one exclusive LRU, or a simulation not started yet (as if it held no copy)
-                    own = max(size - unused * (1.0 + min(factor, 1.0)) / 2, 0.0)
+                    own = max(size - unused, 0.0)
                     ratios[name] = self.hit_ratio(max(own, held) if row.inclusive else held + own)
             out[Tier(row.tier).value] = TierCurve(tokens, ratios, round(self.lookups), len(self._last))
             own = max(tokens // self.page_tokens - unused, 0.0)

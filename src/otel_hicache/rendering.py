@@ -242,7 +242,7 @@ def _decisions(decisions: Sequence[SizeDecision]) -> list[str]:
     out = ["", "What each size would take and save (memory: all pools per kv token; prefill: this run's prompt rate)"]
     rows: list[tuple[str, ...]] = [("tier", "size", "memory", "prefill tokens/s", "prefill s/s" if known else "")]
     for d in decisions:
-        memory = ("+" if d.memory_bytes > 0 else "-") + _bytes(abs(d.memory_bytes))
+        memory = ("+" if d.memory_bytes > 0 else "-" if d.memory_bytes < 0 else "") + _bytes(abs(d.memory_bytes))
         seconds = f"{d.prefill_seconds_per_s:+.4f}" if d.prefill_seconds_per_s is not None else ""
         rows.append((d.tier, f"{d.factor}x", memory, f"{d.prefill_tokens_per_s:+,.0f}", seconds))
     out += _table(rows)

@@ -218,6 +218,7 @@ METRIC_PREFILL_TOKENS: Final = "hicache.prefill.tokens"
 METRIC_POOL_USAGE: Final = "hicache.pool.usage"
 METRIC_POOL_LIMIT: Final = "hicache.pool.limit"
 METRIC_CAPACITY_HIT_RATIO: Final = "hicache.capacity.hit_ratio"
+METRIC_CAPACITY_TOKENS: Final = "hicache.capacity.tokens"
 METRIC_CAPACITY_LOOKUPS: Final = "hicache.capacity.lookups"
 METRIC_CAPACITY_SAMPLED_PAGES: Final = "hicache.capacity.sampled_pages"
 METRIC_RECORDS_REJECTED: Final = "otel_hicache.records.rejected"
@@ -261,7 +262,7 @@ class Feed(_StrEnum):
     POOL_USAGE = "pool_usage"  # the last pool reading: used and free slots
     POOL_LIMIT = "pool_limit"  # the last pool reading: capacity
     CAPACITY = "capacity"  # the capacity estimator's last curve per tier (otel_hicache.capacity)
-    CAPACITY_WARMTH = "capacity_warmth"  # what that curve rests on: lookups (decayed) and sampled pages
+    CAPACITY_WARMTH = "capacity_warmth"  # what that curve rests on: its capacity, lookups (decayed), sampled pages
 
 
 #: In a row's ``seeds``: the pools a telemetry pre-seeds (``HiCacheTelemetry(pools=...)``; SGLang pre-seeds ``kv``).
@@ -424,6 +425,14 @@ INSTRUMENTS: Final[tuple[InstrumentSpec, ...]] = (
         "inf: the ceiling, all but first-time tokens), from sampled reuse distances of the prefix lookups.",
         (ATTR_TIER, ATTR_CAPACITY_FACTOR),
         feed=Feed.CAPACITY,
+    ),
+    InstrumentSpec(
+        METRIC_CAPACITY_TOKENS,
+        "observable_gauge",
+        UNIT_TOKEN,
+        "The tier's capacity today in tokens, which the capacity curve's factors multiply.",
+        (ATTR_TIER,),
+        feed=Feed.CAPACITY_WARMTH,
     ),
     InstrumentSpec(
         METRIC_CAPACITY_LOOKUPS,

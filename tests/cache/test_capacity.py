@@ -44,6 +44,8 @@ def serve(workload: str, config: CacheConfig) -> Run:
     try:
         in_flight: collections.deque[Admission] = collections.deque()
         for prompt in itertools.islice(WORKLOADS[workload](SEED), REQUESTS):
+            while in_flight and not cache.has_room(prompt):  # as the demo: requests in flight end first
+                cache.release(in_flight.popleft())
             in_flight.append(cache.admit(prompt))
             if len(in_flight) > IN_FLIGHT:
                 cache.release(in_flight.popleft())

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import tempfile
 
 import pytest
 
 from otel_hicache import semconv as sc
-from otel_hicache.cache.demo import DEMO_POOLS, run_demo
+from otel_hicache.cache.demo import DEMO_POOLS, PAGE_TOKENS, run_demo
+from otel_hicache.cache.workload import WorkloadConfig
+from otel_hicache.cache.workload import requests as workload_requests
 from otel_hicache.testing.sdk import make_sdk
 
 
@@ -46,6 +49,15 @@ def test_two_hundred_requests_exercise_every_path_and_match_telemetry(demo_sdk) 
     assert snap[sc.METRIC_DROPPED_TOKENS][("host_pressure", "kv")] == result.dropped_tokens["host_pressure"]
     assert {k[0]: v for k, v in snap[sc.METRIC_PREFILL_TOKENS].items()} == result.prefix_tokens
     assert 0 < result.hit_rate < 1
+
+
+def test_the_demo_waits_for_room_as_a_scheduler_does_at_any_device_size(demo_sdk) -> None:
+    """With the device halved (768 tokens) the two requests in flight often hold the room the next one needs: the demo
+    lets them finish first, so only a prompt longer than the whole device is served uncached."""
+    result = run_demo(demo_sdk.telemetry, requests=300, seed=7, device="cpu", device_tokens=768, l3=False)
+    prompts = itertools.islice(workload_requests(WorkloadConfig(seed=7)), 300)
+    longer = sum(1 for prompt in prompts if len(prompt) // PAGE_TOKENS * PAGE_TOKENS > 768)
+    assert result.uncached_requests <= longer
 
 
 def test_same_seed_same_run(demo_sdk, tmp_path) -> None:

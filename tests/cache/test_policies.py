@@ -111,6 +111,23 @@ def test_locked_prefix_is_never_evicted(csdk) -> None:
     cache.close()
 
 
+def test_a_request_the_device_has_no_room_for_is_told_so_before_it_is_admitted(csdk) -> None:
+    """``has_room`` counts the device's free tokens and those no request in flight holds, against the prompt's tokens
+    not already pinned there: with two requests in flight holding the whole device (2 x 32 pages), a third prompt has
+    no room, one extending a request in flight has; admitted anyway, the third is served without caching its KV."""
+    cache = HiCache(small_config(None), csdk.telemetry)
+    held = [cache.admit(list(range(k * 1000, k * 1000 + 128))) for k in (1, 2)]
+    third = list(range(3000, 3128))
+    assert not cache.has_room(third)
+    assert cache.has_room([*range(1000, 1128), 7, 7, 7])  # its 128 tokens are pinned: nothing new to hold
+    cache.release(cache.admit(third))
+    assert cache.stats.uncached == 1
+    for admission in held:
+        cache.release(admission)
+    assert cache.has_room(third)
+    cache.close()
+
+
 def test_a_bad_write_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="write_policy must be one of"):
         CacheConfig(write_policy="write_sometimes")

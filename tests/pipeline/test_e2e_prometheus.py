@@ -57,9 +57,9 @@ RULE_LABELS: dict[str, set[str]] = {
     "HiCacheLoadSlowerThanRecompute": {"hicache_engine", "hicache_operation"},
     "hicache:capacity_hit_ratio:gain_2x": {"job", "instance", "hicache_tier"},
     "hicache:capacity_hit_ratio:loss_half": {"job", "instance", "hicache_tier"},
-    "hicache:kv_bytes_per_token:rate1h": {"hicache_engine"},
-    "hicache:capacity_memory_bytes:gain_2x": {"job", "instance", "hicache_tier", "hicache_engine"},
-    "hicache:capacity_memory_bytes:loss_half": {"job", "instance", "hicache_tier", "hicache_engine"},
+    "hicache:kv_bytes_per_token:rate1h": {"job"},
+    "hicache:capacity_memory_bytes:gain_2x": {"job", "instance", "hicache_tier"},
+    "hicache:capacity_memory_bytes:loss_half": {"job", "instance", "hicache_tier"},
     "hicache:capacity_prefill_seconds_per_second:gain_2x": {"job", "instance", "hicache_tier", "hicache_engine"},
     "hicache:capacity_prefill_seconds_per_second:loss_half": {"job", "instance", "hicache_tier", "hicache_engine"},
     "HiCacheTierUndersized": {"job", "instance", "hicache_tier"},
@@ -305,13 +305,14 @@ def test_load_slower_than_recompute_matches_the_live_loads_by_engine(live_demo: 
 
 
 def test_the_curve_in_memory_and_prefill_seconds_follows_the_live_pools_and_traffic(live_demo: Prometheus) -> None:
-    """Doubling a tier takes its kv pool's limit times the bytes the demo's transfers move per kv token (every
+    """Doubling a tier takes its capacity today times the bytes the demo's transfers move per kv token (every
     pool's), halving frees half; the prefill seconds are the points gained times the prompt tokens per second times a
     recompute cost for the demo's engine (standing in for the engine's own prefill timing, which the demo lacks)."""
     (per_token,) = live_demo.query("hicache:kv_bytes_per_token:rate1h")
     assert float(per_token["value"][1]) > 1024  # the demo's kv pool keeps 1 KiB per token; sidecar and state add
-    kv_limits = live_demo.query('hicache_pool_limit{hicache_pool="kv"}')
-    limits = {s["metric"]["hicache_tier"]: float(s["value"][1]) for s in kv_limits}
+    capacities = live_demo.query("hicache_capacity_tokens")
+    limits = {s["metric"]["hicache_tier"]: float(s["value"][1]) for s in capacities}
+    assert limits == {"device": 1536, "host": 1536}  # the demo's tiers
     for rule, factor in (("gain_2x", 1.0), ("loss_half", 0.5)):
         memory = live_demo.query(f"hicache:capacity_memory_bytes:{rule}")
         assert {s["metric"]["hicache_tier"] for s in memory} == {"device", "host"}

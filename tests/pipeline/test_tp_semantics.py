@@ -59,7 +59,8 @@ GAUGES: list[tuple[str, float]] = [
     ('hicache_pool_usage{hicache_tier="host",hicache_pool="kv",hicache_slot_state="used"}', 500),
     ('hicache_pool_limit{hicache_tier="host",hicache_pool="kv"}', 1000),
     ('target_info{hicache_engine="sglang"}', 1),  # every process: the per-engine rules join it
-    ('hicache_pool_limit{hicache_tier="device",hicache_pool="kv"}', 500),
+    ('hicache_capacity_tokens{hicache_tier="device"}', 500),
+    ('hicache_capacity_tokens{hicache_tier="host"}', 1000),
     ('hicache_capacity_hit_ratio{hicache_tier="host",hicache_capacity_factor="0.5"}', 0.4),
     ('hicache_capacity_hit_ratio{hicache_tier="host",hicache_capacity_factor="1"}', 0.5),
     ('hicache_capacity_hit_ratio{hicache_tier="host",hicache_capacity_factor="2"}', 0.6),

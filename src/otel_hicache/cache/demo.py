@@ -58,6 +58,9 @@ class DemoResult:
     prefix_tokens: dict[str, int]
     evicted_tokens: dict[str, int]
     transfer_failures: dict[str, int] = field(default_factory=dict)  # "operation/error_type" -> count
+    #: requests served without caching their KV: each had no device room with nothing else in flight (a prompt longer
+    #: than the device)
+    uncached_requests: int = 0
     #: tier -> {"tokens": capacity today, "hit_ratio": {factor: predicted share}}: ``hicache.capacity.hit_ratio``
     capacity: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -149,6 +152,8 @@ def run_demo(
                 deadline is not None and time.perf_counter() >= deadline
             ):
                 break
+            while in_flight and not cache.has_room(prompt):  # as a scheduler waits for memory: in flight ends first
+                cache.release(in_flight.popleft())
             in_flight.append(cache.admit(prompt))
             if len(in_flight) > IN_FLIGHT:
                 cache.release(in_flight.popleft())
@@ -196,5 +201,6 @@ def _result(cache: HiCache, served: int, wall: float, device: str, policy: str) 
         prefix_tokens={m.value: cache.stats.prefix.get(m.value, 0) for m in PrefillMode if m is not PrefillMode.OTHER},
         evicted_tokens={t.value: cache.stats.evicted.get(t.value, 0) for t in (Tier.DEVICE, Tier.HOST)},
         transfer_failures=failures,
+        uncached_requests=cache.stats.uncached,
         capacity=capacity,
     )

@@ -114,6 +114,7 @@ class CacheStats:
         self.evicted: collections.Counter[str] = collections.Counter()  # tier -> tokens
         self.evictions: collections.Counter[str] = collections.Counter()  # tier -> passes
         self.load_back_skipped = 0
+        self.uncached = 0  # requests served without caching their KV (no device room: has_room said so)
 
 
 class HiCache:
@@ -182,6 +183,17 @@ class HiCache:
         pos = match.device_len + match.host_len
         storage = self.store.hit_pages(names[pos // ps :]) * ps if self.store is not None else 0
         return PrefixMatch(match.device_len, match.host_len, storage)
+
+    def has_room(self, tokens: Sequence[int]) -> bool:
+        """Whether the device can hold this prompt's KV now, evicting what no request in flight holds: what a
+        scheduler asks before it admits a request (SGLang's ``PrefillAdder`` counts free and evictable tokens). A
+        prompt admitted without room still runs, but its KV is not cached."""
+        ps = self.config.page_size
+        full = len(tokens) // ps * ps
+        need = full - self.tree.pinned_device_prefix(list(tokens[:full]))
+        anchor = self.device.pools[self.device.anchor]
+        evictable = sum(n.num_tokens for n in self.tree.nodes.values() if n.device is not None and not n.lock)
+        return need <= anchor.free_slots + evictable
 
     def admit(self, tokens: Sequence[int], request_span: Span | None = None) -> Admission:
         """Serve one prefill: reuse every cached tier, compute and cache the rest. Hold the path until release().
@@ -277,6 +289,7 @@ class HiCache:
         pages = len(names)
         value = self._alloc_device(pages, bool(self.per_node))
         if value is None:
+            self.stats.uncached += 1
             return None  # the request still runs; its KV is just not cached
         node = self.tree.add_child(parent, key, names)
         node.device = value

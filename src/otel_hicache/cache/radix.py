@@ -153,6 +153,20 @@ class RadixTree:
         del node.parent.children[node.key[: self.page_size]]
         del self.nodes[node.id]
 
+    def pinned_device_prefix(self, key: Sequence[int]) -> int:
+        """Tokens of ``key``'s cached prefix that sit on the device locked (by requests in flight): read only, no
+        split and no access time changes, unlike :meth:`match`."""
+        ps, node, pos, pinned = self.page_size, self.root, 0, 0
+        while (child := node.children.get(tuple(key[pos : pos + ps]))) is not None:
+            n = _common_pages(child.key, key, pos, ps)
+            if child.device is not None and child.lock:
+                pinned += n
+            pos += n
+            if n < child.num_tokens:
+                break
+            node = child
+        return pinned
+
     def inc_lock(self, node: Node) -> None:
         n: Node | None = node
         while n is not None and n is not self.root:

@@ -32,6 +32,12 @@ from otel_hicache.records import TransferRecord
 from otel_hicache.version import __version__
 
 _log = logging.getLogger(__name__)
+#: What a tier's curve rests on, by instrument: the field of its capacity reading.
+_WARMTH_FIELDS = {
+    sc.METRIC_CAPACITY_TOKENS: "tokens",
+    sc.METRIC_CAPACITY_LOOKUPS: "lookups",
+    sc.METRIC_CAPACITY_SAMPLED_PAGES: "sampled_pages",
+}
 
 
 class Emitter:
@@ -132,11 +138,9 @@ class Emitter:
         ]
 
     def _warmth(self, name: str) -> list[Observation]:
-        lookups = name == sc.METRIC_CAPACITY_LOOKUPS
-        return [
-            Observation(reading.lookups if lookups else reading.sampled_pages, {sc.ATTR_TIER: tier})
-            for tier, reading in self._counters.capacity()
-        ]
+        field = _WARMTH_FIELDS[name]
+        readings = self._counters.capacity()
+        return [Observation(getattr(reading, field), {sc.ATTR_TIER: tier}) for tier, reading in readings]
 
     # ------------------------------------------------------------------ records
     def emit(self, record: TransferRecord) -> None:
