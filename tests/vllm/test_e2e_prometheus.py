@@ -44,6 +44,7 @@ NOT_FROM_VLLM_PANELS = {
     "Request KV wait p50 / p99, by tier",
     "Predicted share of prompt tokens served at each size, by engine and tier",
     "Gain from doubling and loss from halving each tier (points)",
+    "Memory a tier's size takes, and the prefill it saves",
 }
 NOT_FROM_VLLM_RULES = {
     "hicache:prefill_hit_ratio:rate5m",
@@ -56,6 +57,10 @@ NOT_FROM_VLLM_RULES = {
     "HiCacheLoadSlowerThanRecompute",
     "hicache:capacity_hit_ratio:gain_2x",
     "hicache:capacity_hit_ratio:loss_half",
+    "hicache:capacity_memory_bytes:gain_2x",
+    "hicache:capacity_memory_bytes:loss_half",
+    "hicache:capacity_prefill_seconds_per_second:gain_2x",
+    "hicache:capacity_prefill_seconds_per_second:loss_half",
     "HiCacheTierUndersized",
     "HiCacheTierOversized",
 }
