@@ -696,6 +696,7 @@ def test_token_metrics_off_leaves_out_every_instrument_counted_in_tokens_and_kee
         sc.METRIC_PREFILL_TOKENS,
         sc.METRIC_POOL_USAGE,
         sc.METRIC_POOL_LIMIT,
+        sc.METRIC_CAPACITY_TOKENS,
     }
     assert not reported & in_tokens
     assert {sc.METRIC_TRANSFER_SIZE, sc.METRIC_TRANSFER_DURATION} <= reported  # bytes and time are per rank
