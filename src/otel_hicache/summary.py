@@ -145,13 +145,12 @@ def size_decisions(
     if not kv_tokens or seconds <= 0:
         return []
     per_token = sum(summary.bytes_by_operation.get(op, 0) for op in ops) / kv_tokens
-    prompt_rate = summary.prefill_total / seconds
+    prompt_rate, cost = summary.prefill_total / seconds, summary.prefill_seconds_per_token
     out = []
     for tier, curve in capacity.items():
         ratios = curve["hit_ratio"]
         for factor in factors:
             tokens = (ratios[factor] - ratios["1"]) * prompt_rate
-            cost = summary.prefill_seconds_per_token
             out.append(
                 SizeDecision(
                     tier,
